@@ -1,0 +1,1 @@
+"""mla_decode kernel."""

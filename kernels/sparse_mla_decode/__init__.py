@@ -1,0 +1,1 @@
+"""sparse_mla_decode kernel."""

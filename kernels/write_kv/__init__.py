@@ -1,0 +1,1 @@
+"""write_kv kernel."""

@@ -1,0 +1,1 @@
+"""zero_blocks kernel."""
