@@ -1,3 +1,30 @@
-"""jaxkv: a NaN-safe paged KV cache for LLM inference in JAX."""
+"""jaxkv: a NaN-safe paged KV cache for LLM inference in JAX.
+
+Kernels live in `jaxkv.kernels`; this package holds the specs, the backend
+registry and zeroing policy, the block pool, capture and the scheduler step.
+"""
+
+from ._backends import AttentionBackend as AttentionBackend
+from ._backends import CompositeBackend as CompositeBackend
+from ._backends import get_backend as get_backend
+from ._backends import register_backend as register_backend
+from ._backends import registered_backends as registered_backends
+from ._config import ModelConfig as ModelConfig
+from ._config import list_model_configs as list_model_configs
+from ._config import load_model_config as load_model_config
+from ._groups import HybridPoolSpec as HybridPoolSpec
+from ._groups import KVCacheGroup as KVCacheGroup
+from ._specs import FullAttentionSpec as FullAttentionSpec
+from ._specs import KVCacheSpec as KVCacheSpec
+from ._specs import MambaSpec as MambaSpec
+from ._specs import MLAAttentionSpec as MLAAttentionSpec
+from ._specs import SlidingWindowSpec as SlidingWindowSpec
+from ._specs import UniformTypeSpec as UniformTypeSpec
+from ._specs import merge as merge
+from ._specs import project_uniform_type as project_uniform_type
+from ._specs import spec_dtypes as spec_dtypes
+from ._zeroing import ZeroingDecision as ZeroingDecision
+from ._zeroing import group_requires_zeroing as group_requires_zeroing
+from ._zeroing import pool_zeroing_plan as pool_zeroing_plan
 
 __version__ = "0.1.0"
