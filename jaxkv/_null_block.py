@@ -61,5 +61,5 @@ def check_null_block_clean(cache, *, layout: str = "BNC", block_size: int | None
   checkify.check(jnp.all(bits == 0), "jaxkv: the null block (block 0) is not all zeros")
 
 
-def _uint_of(dtype) -> jnp.dtype:
+def _uint_of(dtype):
   return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
