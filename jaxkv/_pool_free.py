@@ -1,0 +1,113 @@
+"""Freeing finished (or aborted) sequences: ref counts, reverse order, fences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from ._pool_call import check_request_array, ceil_div, first_bad, seq_requests, transition
+from ._pool_queue import append, push_freed
+from ._pool_spec import PoolSpec
+from ._pool_state import PoolState
+from ._types import BATCH
+
+
+def release(spec: PoolSpec, state: PoolState, events: Any) -> PoolState:
+  """Blocks whose ref count reached 0, in free order (`[m]`, -1 padded), leave their owners.
+
+  With `defer_block_free`, while the current step is not processed, they are
+  parked behind its fence; otherwise they go straight into the free queue.
+  """
+  if spec.defer_block_free:
+    # Only a step that has started and is not processed yet can still write them.
+    fenced = state.step > state.processed
+    valid = (events > 0) & fenced
+    parked, num = append(state.parked, state.num_parked, events, valid)
+    steps, _ = append(state.parked_step, state.num_parked, jnp.broadcast_to(state.step, events.shape), valid)
+    fence = state.block_fence.at[jnp.where(valid, events, spec.num_blocks)].set(state.step, mode="drop")
+    state = state.replace(parked=parked, parked_step=steps, num_parked=num, block_fence=fence)
+    events = jnp.where(fenced, -1, events)
+  queue, num_free = push_freed(state.free_queue, state.num_free, events, state.hashed)
+  return state.replace(free_queue=queue, num_free=num_free)
+
+
+def _free_body(spec: PoolSpec, state: PoolState, seq_ids: Any, *, checks: Any) -> tuple[PoolState, Any]:
+  n, m, bs = spec.num_blocks, spec.max_blocks_per_seq, spec.block_size
+  seq_ids = check_request_array("seq_ids", seq_ids)
+  if seq_ids.ndim != 1:
+    raise ValueError(f"{seq_ids.shape=} must be [batch]")
+  b = seq_ids.shape[0]
+  pad, sid, unique = seq_requests(spec, state, seq_ids)
+  valid = unique & state.active[sid]
+  bad = ~pad & ~valid
+  i = first_bad(bad)
+  checks.require(~jnp.any(bad), "free: seq_ids[{i}]={s} is out of range, duplicated or not an active sequence",
+                 i=i, s=seq_ids[i])
+  nb = jnp.where(valid, ceil_div(state.num_tokens[sid], bs), 0)
+  # Row r lists its blocks last first: a sequence frees its tail before its head.
+  k = jnp.arange(m)[None, :]
+  col = jnp.clip(nb[:, None] - 1 - k, 0, m - 1)
+  blocks = jnp.where(k < nb[:, None], state.block_table[sid[:, None], col], -1).reshape(-1)
+  live = blocks >= 0
+  safe = jnp.maximum(blocks, 0)
+  dec = jnp.zeros((n,), jnp.int32).at[jnp.where(live, blocks, n)].add(1, mode="drop")
+  over = live & ((blocks == 0) | (state.ref_count[safe] < dec[safe]))
+  j = first_bad(over)
+  checks.require(~jnp.any(over), "free: block {blk} is the null block or already free (double free)",
+                 blk=blocks[j])
+  ok = valid & ~jnp.any(over.reshape(b, m), axis=1)
+  # Recompute without requests that would corrupt the counts.
+  live = live & jnp.repeat(ok, m)
+  dec = jnp.zeros((n,), jnp.int32).at[jnp.where(live, blocks, n)].add(1, mode="drop")
+  ref = state.ref_count - dec
+  flat = jnp.arange(b * m, dtype=jnp.int32)
+  last = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, blocks, n)].max(flat, mode="drop")
+  events = jnp.where(live & (ref[safe] == 0) & (last[safe] == flat), blocks, -1)
+  rows = jnp.where(ok, sid, spec.max_seqs)
+  state = state.replace(
+      ref_count=ref,
+      block_table=state.block_table.at[rows].set(0, mode="drop"),
+      num_tokens=state.num_tokens.at[rows].set(0, mode="drop"),
+      active=state.active.at[rows].set(False, mode="drop"),
+      loading=state.loading.at[rows].set(False, mode="drop"),
+  )
+  return release(spec, state, events), ok
+
+
+@transition("jaxkv.free")
+def free(spec: PoolSpec, state: PoolState, seq_ids: Int[Array, f"{BATCH}"], *, checks: Any) -> tuple[PoolState, Any]:
+  """Frees finished sequences: every block loses one reference; blocks at 0 leave.
+
+  Blocks of a sequence are released last block first. A released block
+  without a prefix hash goes to the front of the free queue (reused first), a
+  cached one to the back (evicted last); with `defer_block_free` both are
+  parked behind the current step's fence instead. Requests of one call act in
+  order, as consecutive calls would.
+
+  Args:
+    spec: the pool spec (static).
+    state: the pool state.
+    seq_ids: `[batch]` int32 active sequence ids, -1 = padding.
+    debug: (keyword) checkify misuse inside jit and leave the state unchanged.
+
+  Returns:
+    `(state, ok [batch] bool)`; ok is False for padding and misused requests.
+
+  Raises:
+    ValueError: called eagerly on an unknown, inactive or repeated sequence.
+  """
+  return _free_body(spec, state, seq_ids, checks=checks)
+
+
+@transition("jaxkv.abort")
+def abort(spec: PoolSpec, state: PoolState, seq_ids: Int[Array, f"{BATCH}"], *, checks: Any) -> tuple[PoolState, Any]:
+  """Aborts sequences at any time, also while a load is pending: exactly like `free`.
+
+  The fence still holds: with `defer_block_free` an aborted sequence's blocks
+  are parked like any freed block, so no one gets them before the step that
+  may still write them is processed. A pending load of the sequence is
+  forgotten (its completion is then a misuse).
+  """
+  return _free_body(spec, state, seq_ids, checks=checks)
