@@ -17,7 +17,7 @@ def test_shipped_configs_load():
   llama = load_model_config("llama3-8b")
   assert llama.groups[0].spec == FullAttentionSpec(16, num_kv_heads=8, head_size=128, dtype="bfloat16")
   tiny = load_model_config("tiny-mla")
-  assert tiny.pool.num_blocks == 64 and tiny.groups[0].spec.block_size == 16
+  assert tiny.pool.num_blocks == 64 and tiny.groups[0].spec.block_size == 64
 
 
 def test_kimi_linear_is_a_hybrid_pool_that_zeroes():

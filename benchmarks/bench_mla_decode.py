@@ -1,0 +1,225 @@
+"""Dense paged MLA decode on the GPU: correctness check, then timings against ceilings.
+
+Usage: python benchmarks/bench_mla_decode.py [--quick] [--shapes SPEC ...]
+
+Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
+bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
+same-run Pallas paged-gather ceiling over the same blocks, and the XLA
+reference (gather + einsum). Every timed call reads its own block table over
+disjoint blocks so that L2 never serves a repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu.profiler import measure
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkv.kernels.mla_decode import (
+    MLADecodeConfig,
+    mla_decode,
+    mla_decode_plan,
+    mla_decode_reference,
+)
+
+BS = 64
+D = 576
+L2_BYTES = 60 << 20
+
+
+def gather_ceiling(cache, tables, bounds):
+  """Pallas TMA paged gather: the same blocks, same copies, no compute."""
+  batch, splits = bounds.shape[0], bounds.shape[1] - 1
+  stages = 3
+
+  def gather_kernel(cache_ref, table_ref, bounds_ref, o_ref, lat, rope, bar):
+    # cache_ref [num_blocks, 64, 576] bf16; table_ref [batch, max_blocks] i32;
+    # bounds_ref [batch, splits + 1] i32; o_ref [batch, splits, 64] bf16;
+    # lat [stages, 2, 64, 256] and rope [stages, 64, 64] bf16 SMEM; bar [stages].
+    s, b = lax.axis_index("s"), lax.axis_index("b")
+    start = bounds_ref[b, s]
+    n = bounds_ref[b, s + 1] - start
+
+    def issue(step, slot):
+      blk = table_ref[b, start + step]
+      for h in range(2):
+        plgpu.copy_gmem_to_smem(cache_ref.at[blk, :, pl.ds(256 * h, 256)], lat.at[slot, h], bar.at[slot])
+      plgpu.copy_gmem_to_smem(cache_ref.at[blk, :, pl.ds(512, 64)], rope.at[slot], bar.at[slot])
+
+    for i in range(stages):
+      pl.when(i < n)(lambda i=i: issue(i, i))
+
+    @pl.loop(0, n)
+    def _(step):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(bar.at[slot])
+      pl.when(step + stages < n)(lambda: issue(step + stages, slot))
+
+    # One tiny store per CTA keeps the loads observable.
+    plgpu.copy_smem_to_gmem(rope.at[0, 0], o_ref.at[b, s])
+    plgpu.wait_smem_to_gmem(0)
+
+  f = plgpu.kernel(
+      gather_kernel,
+      out_type=jax.ShapeDtypeStruct((batch, splits, 64), jnp.bfloat16),
+      grid=(splits, batch), grid_names=("s", "b"),
+      scratch_types=[plgpu.SMEM((stages, 2, BS, 256), jnp.bfloat16), plgpu.SMEM((stages, BS, 64), jnp.bfloat16),
+                     plgpu.Barrier(num_arrivals=3, num_barriers=stages)],
+      kernel_name="gather_ceiling",
+  )
+  return [f(cache, t, bounds) for t in tables]
+
+
+def make_problem(rng, batch, heads, mean_ctx, copies):
+  lo, hi = max(1, mean_ctx // 2), mean_ctx * 3 // 2
+  lens = rng.integers(lo, hi + 1, size=batch).astype(np.int32) if batch > 1 else np.array([mean_ctx], np.int32)
+  nblk = -(-lens // BS)
+  max_blocks = int(nblk.max())
+  per_copy = int(nblk.sum())
+  num_blocks = 1 + per_copy * copies
+  perm = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+  tables = []
+  for c in range(copies):
+    t = np.zeros((batch, max_blocks), np.int32)
+    ids = perm[c * per_copy:(c + 1) * per_copy]
+    off = 0
+    for b in range(batch):
+      t[b, :nblk[b]] = ids[off:off + nblk[b]]
+      off += nblk[b]
+    tables.append(jnp.asarray(t))
+  key = jax.random.key(int(rng.integers(1 << 30)))
+  cache = jax.random.normal(key, (num_blocks, BS, D), jnp.bfloat16)
+  q = jax.random.normal(jax.random.fold_in(key, 1), (batch, heads, D), jnp.bfloat16)
+  return q, cache, tables, jnp.asarray(lens)
+
+
+def timed(fn, *args, iters=5):
+  """Median per-call kernel time (ms) of fn(*args), which runs `copies` calls."""
+  _, t = measure(fn, aggregate=False, iterations=iters)(*args)
+  per_iter = [sum(ms for _, ms in it) for it in t]
+  return float(np.median(per_iter)), t[len(t) // 2]
+
+
+def table_for(rng, lens, num_blocks, max_blocks):
+  """Distinct random non-null blocks for each row's tokens, padded with 0."""
+  nblk = -(-np.asarray(lens) // BS)
+  ids = rng.permutation(np.arange(1, num_blocks))[: nblk.sum()]
+  t = np.zeros((len(lens), max_blocks), np.int32)
+  off = 0
+  for b, k in enumerate(nblk):
+    t[b, :k] = ids[off:off + k]
+    off += k
+  return jnp.asarray(t)
+
+
+def check_correctness(rng):
+  rows = []
+  lens_np = [1, 63, 64, 65, 0, 1000, 4097, 300]
+  for heads, splits, mode in ((16, 1, "select"), (64, 3, "multiply"), (128, 7, "select")):
+    key = jax.random.key(heads)
+    cache = jax.random.normal(key, (200, BS, D), jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (8, heads, D), jnp.bfloat16)
+    lens = jnp.asarray(lens_np, jnp.int32)
+    table = table_for(rng, lens_np, 200, 70)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1)
+    out, lse = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode, config=cfg)
+    ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode)
+    o32, r32 = np.asarray(out, np.float32), np.asarray(ro, np.float32)
+    err = np.linalg.norm(o32 - r32) / np.linalg.norm(r32)
+    lerr = np.nanmax(np.abs(np.where(np.isinf(rl), 0, np.asarray(lse) - np.asarray(rl))))
+    rows.append((heads, splits, mode, err, lerr, bool(np.isfinite(o32).all())))
+  # NaN poisoning: tails and the null block NaN.
+  lens = jnp.asarray([64, 65, 0, 127], jnp.int32)
+  cache = jax.random.normal(jax.random.key(7), (20, BS, D), jnp.bfloat16)
+  q = jax.random.normal(jax.random.key(8), (4, 64, D), jnp.bfloat16)
+  table = table_for(rng, [64, 65, 0, 127], 20, 4)
+  poisoned = cache.at[0].set(jnp.nan)
+  for b, s in enumerate(np.asarray(lens)):
+    if s % BS:
+      poisoned = poisoned.at[table[b, s // BS], s % BS:].set(jnp.nan)
+  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1)
+  clean, _ = mla_decode(q, cache, table, lens, sm_scale=0.05, config=cfg)
+  sel, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, config=cfg)
+  mul, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, mask_mode="multiply", config=cfg)
+  nan_rows = np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2)).tolist()
+  same = bool((np.asarray(sel) == np.asarray(clean)).all())
+  print("correctness: heads splits mode rel_err lse_err finite")
+  for r in rows:
+    print("  ", r)
+  print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want [F, T, F, T])")
+  return all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == [False, True, False, True]
+
+
+def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None):
+  one = batch * mean_ctx * D * 2
+  copies = max(1, math.ceil(3 * L2_BYTES / one))
+  q, cache, tables, lens = make_problem(rng, batch, heads, mean_ctx, copies)
+  plan = mla_decode_plan(lens, num_heads=heads, config=config)
+  res = {}
+  n_tok = int(lens.sum())
+  bytes_ = q.size * 2 + n_tok * D * 2 + batch * heads * 512 * 2
+  flops = 2 * heads * n_tok * (D + 512)
+  for mode in modes:
+    fn = jax.jit(lambda q, c, ts, s, p, mode=mode: [
+        mla_decode(q, c, t, s, sm_scale=D**-0.5, mask_mode=mode, plan=p) for t in ts])
+    ms, names = timed(fn, q, cache, tables, lens, plan)
+    res[mode] = ms / copies
+    kern = sum(t for nm, t in names if "mla_decode" in nm) / copies
+    res[mode + "_kernel"] = kern
+    if not res.get("names"):
+      res["names"] = sorted({nm[:40] for nm, _ in names})
+  g = jax.jit(lambda c, ts, bnd: gather_ceiling(c, ts, bnd))
+  ms, _ = timed(g, cache, tables, plan.bounds)
+  res["gather"] = ms / copies
+  if with_xla:
+    fx = jax.jit(lambda q, c, t, s: mla_decode_reference(q, c, t, s, sm_scale=D**-0.5))
+    ms, _ = timed(fx, q, cache, tables[0], lens, iters=3)
+    res["xla"] = ms
+  return dict(batch=batch, heads=heads, ctx=mean_ctx, splits=plan.num_splits,
+              bytes=bytes_, flops=flops, **res)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shapes", nargs="*", default=None, help="batch:heads:ctx[:xla]")
+  ap.add_argument("--skip-check", action="store_true")
+  args = ap.parse_args()
+  rng = np.random.default_rng(0)
+  print(jax.devices()[0].device_kind, jax.__version__)
+  if not args.skip_check:
+    print("CORRECT" if check_correctness(rng) else "WRONG")
+  shapes = args.shapes or ["128:64:4096:xla", "128:128:4096:xla", "128:16:4096", "128:64:16384", "128:128:16384", "1:128:131072", "8:64:32768"]
+  out = []
+  for spec in shapes:
+    parts = spec.split(":")
+    b, h, c = map(int, parts[:3])
+    modes = ("select", "multiply") if "mul" in parts else ("select",)
+    try:
+      r = bench_shape(rng, b, h, c, modes, "xla" in parts)
+    except Exception as e:  # keep measuring the other shapes
+      print("FAILED", spec, repr(e)[:300], flush=True)
+      continue
+    out.append(r)
+    print(r, flush=True)
+  print("\nbatch heads ctx splits | select ms TB/s TFLOP/s | kernel-only ms | multiply ms | gather ms TB/s | sel/gather | xla ms  x")
+  for r in out:
+    ms = r["select"]
+    tbs = r["bytes"] / ms / 1e9
+    tf = r["flops"] / ms / 1e9
+    gtbs = r["bytes"] / r["gather"] / 1e9
+    mul = f"{r['multiply']:.3f}" if "multiply" in r else "-"
+    xla = f"{r['xla']:.3f} {r['xla'] / ms:.1f}x" if "xla" in r else "-"
+    print(f"{r['batch']:5d} {r['heads']:5d} {r['ctx']:6d} {r['splits']:4d} | {ms:.3f} {tbs:.2f} {tf:.0f} | "
+          f"{r['select_kernel']:.3f} | {mul} | {r['gather']:.3f} {gtbs:.2f} | {r['gather'] / ms:.2f} | {xla}")
+
+
+if __name__ == "__main__":
+  main()

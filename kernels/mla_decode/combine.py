@@ -1,0 +1,43 @@
+"""Merge of split-KV partial results by log-sum-exp (plain jnp; XLA fuses it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxkv._types import BATCH, HEADS
+
+
+def combine_splits(
+    o: Float[Array, f"{BATCH} splits {HEADS} dv"],
+    lse: Float[Array, f"{BATCH} splits {HEADS}"],
+) -> tuple[Float[Array, f"{BATCH} {HEADS} dv"], Float[Array, f"{BATCH} {HEADS}"]]:
+  """Merges normalised partial outputs of disjoint slot ranges.
+
+  A split with `lse = -inf` (no slots) has weight exactly 0 and its `o` is
+  never multiplied in (so it may hold anything); a NaN in a non-empty split's
+  `o` propagates, which "multiply" mode relies on.
+
+  Args:
+    o: `[batch, splits, heads, dv]` float32 per-split normalised outputs.
+    lse: `[batch, splits, heads]` float32 per-split natural-log LSE.
+
+  Returns:
+    `out` `[batch, heads, dv]` float32 and `lse` `[batch, heads]` float32
+    (`-inf` and `out = 0` where every split is empty).
+  """
+  with jax.named_scope("jaxkv.mla_decode_combine"):
+    if o.shape[1] == 1:
+      return o[:, 0], lse[:, 0]
+    m = jnp.max(lse, axis=1)  # [batch, heads]
+    live = lse > -jnp.inf
+    m_safe = jnp.where(m > -jnp.inf, m, 0.0)
+    w = jnp.where(live, jnp.exp(lse - m_safe[:, None, :]), 0.0)
+    total = jnp.sum(w, axis=1)
+    has = total > 0.0
+    w = w / jnp.where(has, total, 1.0)[:, None, :]
+    part = jnp.where(live[..., None], o, 0.0) * w[..., None]
+    out = jnp.sum(part, axis=1)
+    lse_out = jnp.where(has, m_safe + jnp.log(jnp.where(has, total, 1.0)), -jnp.inf)
+    return out, lse_out

@@ -1,0 +1,79 @@
+"""The specification of dense paged MLA decode, in plain jnp with float32 accumulation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxkv._types import BATCH, HEADS, BlockTable, Lse, MLACache, MLAQuery, SeqLens
+
+MASK_MODES = ("select", "multiply")
+
+
+def mla_decode_reference(
+    q: MLAQuery,
+    cache: MLACache,
+    block_table: BlockTable,
+    seq_lens: SeqLens,
+    *,
+    sm_scale: float,
+    dv: int = 512,
+    mask_mode: str = "select",
+) -> tuple[Float[Array, f"{BATCH} {HEADS} dv"], Lse]:
+  """Absorbed MLA decode over a paged latent cache.
+
+  Row `b` attends to its first `seq_lens[b]` tokens, token `t` living in slot
+  `t % block_size` of block `block_table[b, t // block_size]`. The blocks a
+  row *reads* are the `ceil(seq_len / block_size)` ones that hold its tokens;
+  padded table entries past them are never dereferenced. Inside the last read
+  block the slots at or past `seq_len` are unwritten: their scores are masked
+  in both modes; in "multiply" mode their value rows are still accumulated
+  with probability 0 (so NaN there yields NaN in the row, as in production
+  kernels); in "select" mode they never reach the accumulator.
+
+  Args:
+    q: `[batch, heads, 576]` queries (512 latent + 64 RoPE channels).
+    cache: `[num_blocks, block_size, 576]` latent cache.
+    block_table: `[batch, max_blocks]` int32, padded with 0.
+    seq_lens: `[batch]` int32; values are clipped to `[0, max_blocks *
+      block_size]`.
+    sm_scale: scale of the logits `q . k`.
+    dv: value channels (the first `dv` cache channels).
+    mask_mode: "select" or "multiply".
+
+  Returns:
+    `out` `[batch, heads, dv]` in q's dtype and `lse` `[batch, heads]`
+    float32, the natural-log log-sum-exp of the scaled logits over valid slots
+    (`-inf` and `out = 0` where `seq_len == 0`).
+  """
+  if mask_mode not in MASK_MODES:
+    raise ValueError(f"{mask_mode=} must be one of {MASK_MODES}")
+  with jax.named_scope("jaxkv.mla_decode_reference"):
+    _, block_size, _ = cache.shape
+    max_blocks = block_table.shape[1]
+    span = max_blocks * block_size
+    seq = jnp.clip(seq_lens, 0, span)
+    kv = cache[block_table].reshape(block_table.shape[0], span, cache.shape[-1])
+    pos = jnp.arange(span, dtype=jnp.int32)[None, :]
+    valid = pos < seq[:, None]  # [batch, span]
+    read = pos < ((seq + block_size - 1) // block_size * block_size)[:, None]
+    s = jnp.einsum(
+        "bhd,btd->bht", q, kv, preferred_element_type=jnp.float32
+    ) * jnp.float32(sm_scale)
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)  # exactly 0 on masked slots
+    l = jnp.sum(p, axis=-1)
+    keep = valid if mask_mode == "select" else read
+    # Slots the kernel never reads cannot poison it in either mode.
+    v = jnp.where(keep[:, :, None], kv[..., :dv], jnp.zeros((), kv.dtype))
+    o = jnp.einsum(
+        "bht,btd->bhd", p, v.astype(jnp.float32),
+        preferred_element_type=jnp.float32,
+    )
+    has = l > 0.0
+    o = jnp.where(has[..., None], o / jnp.where(has, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(has, m[..., 0] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    return o.astype(q.dtype), lse

@@ -1,0 +1,137 @@
+"""Public entry of dense paged MLA decode: validation, launch and split combine."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxkv._types import (
+    BATCH,
+    HEADS,
+    MLA_HEAD_DIM,
+    MLA_LATENT_DIM,
+    Lse,
+)
+from jaxkv.kernels._common import resolve_interpret
+
+from . import kernel as _kernel
+from .combine import combine_splits
+from .config import MLADecodeConfig
+from .plan import MLADecodePlan, mla_decode_plan
+from .reference import MASK_MODES
+
+SUPPORTED_BLOCK_SIZES = (64,)
+MAX_HEADS = 128
+
+
+def _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, config):
+  if q.ndim != 3 or q.shape[-1] != MLA_HEAD_DIM:
+    raise ValueError(f"{q.shape=} must be [batch, heads, {MLA_HEAD_DIM}]")
+  batch, heads, _ = q.shape
+  if not 1 <= heads <= MAX_HEADS:
+    raise ValueError(f"{q.shape=}: heads must be in [1, {MAX_HEADS}]")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"{q.dtype=} must be bfloat16")
+  if cache.ndim != 3 or cache.shape[-1] != MLA_HEAD_DIM:
+    raise ValueError(f"{cache.shape=} must be [num_blocks, block_size, {MLA_HEAD_DIM}]")
+  if cache.shape[1] not in SUPPORTED_BLOCK_SIZES:
+    raise ValueError(f"{cache.shape=}: block_size must be one of {SUPPORTED_BLOCK_SIZES}")
+  if cache.dtype != jnp.bfloat16:
+    raise ValueError(f"{cache.dtype=} must be bfloat16")
+  if block_table.ndim != 2 or block_table.shape[0] != batch:
+    raise ValueError(f"{block_table.shape=} must be [batch={batch}, max_blocks]")
+  if block_table.shape[1] < 1:
+    raise ValueError(f"{block_table.shape=} must have at least one column")
+  if block_table.dtype != jnp.int32:
+    raise ValueError(f"{block_table.dtype=} must be int32")
+  if seq_lens.shape != (batch,) or seq_lens.dtype != jnp.int32:
+    raise ValueError(f"{seq_lens.shape=} {seq_lens.dtype=} must be [{batch}] int32")
+  if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
+    raise ValueError(f"{sm_scale=} must be a positive float")
+  if dv != MLA_LATENT_DIM:
+    raise ValueError(f"{dv=} must be {MLA_LATENT_DIM}")
+  if mask_mode not in MASK_MODES:
+    raise ValueError(f"{mask_mode=} must be one of {MASK_MODES}")
+  if plan is not None:
+    if not isinstance(plan, MLADecodePlan):
+      raise ValueError(f"plan must be an MLADecodePlan, got {type(plan)}")
+    b = plan.bounds
+    if b.ndim != 2 or b.shape[0] != batch or b.shape[1] < 2 or b.dtype != jnp.int32:
+      raise ValueError(f"{plan.bounds.shape=} {plan.bounds.dtype=} must be [{batch}, splits + 1] int32")
+  if config is not None and not isinstance(config, MLADecodeConfig):
+    raise ValueError(f"config must be an MLADecodeConfig, got {type(config)}")
+
+
+def mla_decode(
+    q: jax.Array,
+    cache: jax.Array,
+    block_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float,
+    dv: int = 512,
+    mask_mode: str = "select",
+    plan: MLADecodePlan | None = None,
+    config: MLADecodeConfig | None = None,
+    interpret: Any = None,
+) -> tuple[Float[Array, f"{BATCH} {HEADS} dv"], Lse]:
+  """Dense paged MLA decode (absorbed form), NaN-safe in "select" mode.
+
+  The inputs are validated here (a `ValueError` naming the argument) rather
+  than by shape annotations, so that any mismatch reads the same.
+
+  Args:
+    q: `[batch, heads, 576]` bf16 queries, heads in [1, 128].
+    cache: `[num_blocks, 64, 576]` bf16 latent cache (512 latent + 64 RoPE).
+    block_table: `[batch, max_blocks]` int32, padded with 0 (never read past
+      a row's blocks).
+    seq_lens: `[batch]` int32; 0 gives `out = 0`, `lse = -inf` and reads
+      nothing; values are clipped to `[0, max_blocks * 64]`.
+    sm_scale: scale of the logits.
+    dv: value channels; must be 512.
+    mask_mode: "select" (masked slots never reach the accumulator) or
+      "multiply" (they are accumulated with probability 0, like FlashMLA).
+    plan: the split plan of this step from `mla_decode_plan`; computed here
+      when None.
+    config: tuning config used when `plan` is None.
+    interpret: see `jaxkv.kernels._common.resolve_interpret`.
+
+  Returns:
+    `out` `[batch, heads, 512]` in q's dtype and `lse` `[batch, heads]`
+    float32 (natural log).
+  """
+  _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, config)
+  with jax.named_scope("jaxkv.mla_decode"):
+    if plan is None:
+      plan = mla_decode_plan(seq_lens, num_heads=q.shape[1], block_size=cache.shape[1], config=config)
+    return _mla_decode(
+        q, cache, block_table, seq_lens, plan.bounds,
+        sm_scale=float(sm_scale), select=mask_mode == "select",
+        interpret=resolve_interpret(interpret),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "select", "interpret"))
+def _mla_decode(q, cache, block_table, seq_lens, bounds, *, sm_scale, select, interpret):
+  batch, heads, _ = q.shape
+  block_size = cache.shape[1]
+  max_blocks = block_table.shape[1]
+  heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
+  if heads_padded != heads:
+    q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
+  seq = jnp.clip(seq_lens, 0, max_blocks * block_size)
+  nblk = (seq + block_size - 1) // block_size
+  # A stale or foreign plan must not walk past a row's own blocks.
+  bounds = jnp.clip(bounds, 0, nblk[:, None])
+  call = _kernel.build_kernel(
+      batch=batch, heads_padded=heads_padded, num_splits=bounds.shape[1] - 1,
+      block_size=block_size, sm_scale=sm_scale, select=select, interpret=interpret,
+  )
+  o, lse = call(q, cache, block_table, seq, bounds)
+  out, lse = combine_splits(o, lse)
+  return out[:, :heads].astype(q.dtype), lse[:, :heads]

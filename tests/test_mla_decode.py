@@ -1,0 +1,226 @@
+"""Dense paged MLA decode: kernel (interpret mode) against the jnp reference."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkv.kernels.mla_decode import (
+    MLADecodeConfig,
+    MLADecodePlan,
+    combine_splits,
+    heuristic_config,
+    mla_decode,
+    mla_decode_plan,
+    mla_decode_reference,
+)
+from jaxkv.kernels.mla_decode.config import config_from_entries
+
+BS = 64
+SCALE = 576**-0.5
+RACES = plgpu.InterpretGPUParams(detect_races=True)
+FAST = plgpu.InterpretGPUParams()
+TUNING = pathlib.Path(__file__).parents[1] / "configs/tuning/mla_decode/nvidia_h200.json"
+
+
+def _problem(seed, seq_lens, heads, max_blocks=None):
+  """Random q and cache; every row gets distinct random blocks (never 0)."""
+  rng = np.random.default_rng(seed)
+  batch = len(seq_lens)
+  nblk = [-(-s // BS) for s in seq_lens]
+  max_blocks = max_blocks or max(max(nblk), 1) + 1
+  num_blocks = 1 + sum(nblk) + 3  # null block, rows' blocks, unused blocks
+  ids = rng.permutation(np.arange(1, num_blocks))
+  table = np.zeros((batch, max_blocks), np.int32)  # padded with the null block
+  used = 0
+  for b, k in enumerate(nblk):
+    table[b, :k] = ids[used:used + k]
+    used += k
+  q = jnp.asarray(rng.standard_normal((batch, heads, 576)), jnp.bfloat16)
+  cache = rng.standard_normal((num_blocks, BS, 576)).astype(np.float32)
+  return q, cache, table, np.asarray(seq_lens, np.int32)
+
+
+def _poison(cache, table, seq_lens):
+  """NaN in every slot no row holds: tails, the null block, unused blocks."""
+  bad = np.full(cache.shape[:2], True)
+  for b, s in enumerate(seq_lens):
+    for t in range(s):
+      bad[table[b, t // BS], t % BS] = False
+  out = cache.copy()
+  out[bad] = np.nan
+  return out, bad
+
+
+def _run(q, cache, table, seq_lens, *, splits, mask_mode="select", interpret=FAST):
+  return mla_decode(
+      q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(seq_lens),
+      sm_scale=SCALE, mask_mode=mask_mode,
+      config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1), interpret=interpret,
+  )
+
+
+def _ref(q, cache, table, seq_lens, mask_mode="select"):
+  return mla_decode_reference(
+      q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(seq_lens),
+      sm_scale=SCALE, mask_mode=mask_mode,
+  )
+
+
+def _assert_close(got, want):
+  out, lse = got
+  ref_out, ref_lse = want
+  assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+  out = np.asarray(out, np.float32)
+  ref_out = np.asarray(ref_out, np.float32)
+  assert np.isfinite(out).all()
+  err = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-6)
+  assert err < 1e-2, err
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits,interpret",
+    [
+        ([1, BS - 1, BS, BS + 1, 0, 3 * BS - 7], 16, 1, RACES),
+        ([5 * BS + 3, 0, 2 * BS], 64, 3, FAST),
+        ([3 * BS - 1, BS + 1], 128, 2, FAST),
+    ],
+)
+def test_matches_reference(seq_lens, heads, splits, interpret):
+  q, cache, table, lens = _problem(0, seq_lens, heads)
+  got = _run(q, cache, table, lens, splits=splits, interpret=interpret)
+  _assert_close(got, _ref(q, cache, table, lens))
+  out, lse = got
+  for b, s in enumerate(seq_lens):
+    if s == 0:
+      assert (np.asarray(out[b], np.float32) == 0).all()
+      assert (np.asarray(lse[b]) == -np.inf).all()
+
+
+def test_nan_poisoning_select_and_multiply():
+  seq_lens = [BS, BS + 1, 0, 2 * BS - 3, 2 * BS]
+  q, cache, table, lens = _problem(1, seq_lens, 16)
+  poisoned, _ = _poison(cache, table, lens)
+  clean_ref = _ref(q, cache, table, lens)
+  # Rows whose last block has an unwritten tail read NaN in "multiply" mode;
+  # padded entries (the null block) and unused blocks are never read.
+  nan_rows = np.array([s % BS != 0 for s in seq_lens])
+
+  _assert_close(_run(q, poisoned, table, lens, splits=2), clean_ref)
+
+  out, lse = _run(q, poisoned, table, lens, splits=2, mask_mode="multiply")
+  row_nan = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
+  np.testing.assert_array_equal(row_nan, nan_rows)
+  assert np.isnan(np.asarray(out, np.float32)[nan_rows]).all()
+  assert not np.isnan(np.asarray(lse)).any()
+  ref_out, _ = _ref(q, poisoned, table, lens, mask_mode="multiply")
+  np.testing.assert_array_equal(
+      np.isnan(np.asarray(ref_out, np.float32)).any(axis=(1, 2)), nan_rows
+  )
+  good = ~nan_rows
+  np.testing.assert_allclose(
+      np.asarray(out, np.float32)[good], np.asarray(clean_ref[0], np.float32)[good],
+      rtol=2e-2, atol=2e-2,
+  )
+
+  zeroed = poisoned.copy()
+  for b, s in enumerate(seq_lens):
+    if s % BS:
+      zeroed[table[b, s // BS], s % BS:] = 0.0
+  zeroed[0] = 0.0
+  _assert_close(_run(q, zeroed, table, lens, splits=1, mask_mode="multiply"), clean_ref)
+
+
+def test_reference_modes_on_poison():
+  q, cache, table, lens = _problem(2, [BS + 5, 2 * BS, 0, 7], 8)
+  poisoned, _ = _poison(cache, table, lens)
+  clean = _ref(q, cache, table, lens)
+  sel = _ref(q, poisoned, table, lens)
+  np.testing.assert_array_equal(np.asarray(sel[0]), np.asarray(clean[0]))
+  np.testing.assert_array_equal(np.asarray(sel[1]), np.asarray(clean[1]))
+  mul, _ = _ref(q, poisoned, table, lens, mask_mode="multiply")
+  np.testing.assert_array_equal(
+      np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2)), [True, False, False, True]
+  )
+
+
+def test_reference_jits_with_traced_lengths():
+  q, cache, table, lens = _problem(3, [BS + 1, 3], 4)
+  f = jax.jit(lambda t, s: _ref(q, cache, t, s))
+  a = f(jnp.asarray(table), jnp.asarray(lens))
+  b = _ref(q, cache, table, lens)
+  np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), rtol=1e-6)
+
+
+def test_plan_covers_blocks_exactly():
+  lens = jnp.asarray([0, 1, 64, 65, 4096, 131072, 700], jnp.int32)
+  config = MLADecodeConfig(num_splits=16, ctas_per_sm=2, min_chunk_blocks=8)
+  plan = jax.jit(lambda s: mla_decode_plan(s, num_heads=128, config=config))(lens)
+  bounds = np.asarray(plan.bounds)
+  assert plan.num_splits == 16 and bounds.shape == (7, 17)
+  nblk = -(-np.asarray(lens) // 64)
+  np.testing.assert_array_equal(bounds[:, 0], 0)
+  np.testing.assert_array_equal(bounds[:, -1], nblk)
+  assert (np.diff(bounds, axis=1) >= 0).all()
+  assert (np.diff(bounds, axis=1)[nblk > 8 * 16] > 0).any()
+
+
+def test_combine_merges_and_handles_empty_splits():
+  rng = np.random.default_rng(4)
+  o = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
+  lse = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)
+  lse = lse.at[0, 1].set(-jnp.inf).at[1].set(-jnp.inf)
+  o = o.at[0, 1].set(jnp.nan)  # an empty split's output is never used
+  out, lse_out = combine_splits(o, lse)
+  w = np.exp(np.asarray(lse[0]) - np.asarray(lse_out[0])[None])
+  want = np.einsum("sh,shd->hd", np.where(np.isfinite(w), w, 0), np.nan_to_num(np.asarray(o[0])))
+  np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-5, atol=1e-6)
+  assert (np.asarray(out[1]) == 0).all() and (np.asarray(lse_out[1]) == -np.inf).all()
+
+
+def test_configs_valid():
+  entries = json.loads(TUNING.read_text())["entries"]
+  for entry in entries:
+    for heads in entry["heads"]:
+      config = config_from_entries(entries, batch=entry["max_batch"], num_heads=heads)
+      assert isinstance(config, MLADecodeConfig)
+  for batch in (1, 8, 128):
+    for heads in (16, 64, 128):
+      assert heuristic_config(batch=batch, num_heads=heads).num_splits >= 1
+  with pytest.raises(ValueError, match="num_splits"):
+    MLADecodeConfig(num_splits=0)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(q=jnp.zeros((2, 4, 512), jnp.bfloat16)), "q.shape"),
+        (dict(q=jnp.zeros((2, 4, 576), jnp.float32)), "q.dtype"),
+        (dict(cache=jnp.zeros((4, 32, 576), jnp.bfloat16)), "block_size"),
+        (dict(cache=jnp.zeros((4, 64, 576), jnp.float16)), "cache.dtype"),
+        (dict(block_table=jnp.zeros((3, 2), jnp.int32)), "block_table.shape"),
+        (dict(block_table=jnp.zeros((2, 2), jnp.int64 if jax.config.x64_enabled else jnp.int16)), "block_table.dtype"),
+        (dict(seq_lens=jnp.zeros((3,), jnp.int32)), "seq_lens"),
+        (dict(sm_scale=-1.0), "sm_scale"),
+        (dict(dv=256), "dv"),
+        (dict(mask_mode="zero"), "mask_mode"),
+        (dict(plan=MLADecodePlan(jnp.zeros((3, 2), jnp.int32))), "plan.bounds"),
+    ],
+)
+def test_bad_inputs(change, match):
+  args = dict(
+      q=jnp.zeros((2, 4, 576), jnp.bfloat16), cache=jnp.zeros((4, 64, 576), jnp.bfloat16),
+      block_table=jnp.zeros((2, 2), jnp.int32), seq_lens=jnp.zeros((2,), jnp.int32),
+      sm_scale=0.1, dv=512, mask_mode="select", plan=None,
+  )
+  args.update(change)
+  q, cache, table, lens = (args.pop(k) for k in ("q", "cache", "block_table", "seq_lens"))
+  with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+    mla_decode(q, cache, table, lens, **args)
