@@ -138,6 +138,24 @@ def test_nan_poisoning_select_and_multiply():
   _assert_close(_run(q, zeroed, table, lens, splits=1, mask_mode="multiply"), clean_ref)
 
 
+def test_nan_poisoning_after_steady_state_loop():
+  # One split per row of 3-5 blocks: full blocks run the unmasked loop body
+  # (the ring wraps), the partial last block runs the peeled masked step.
+  seq_lens = [4 * BS + 5, 3 * BS - 1, 5 * BS, 2 * BS + 1]
+  q, cache, table, lens = _problem(5, seq_lens, 16)
+  poisoned, _ = _poison(cache, table, lens)
+  clean_ref = _ref(q, cache, table, lens)
+  nan_rows = np.array([s % BS != 0 for s in seq_lens])
+
+  _assert_close(_run(q, poisoned, table, lens, splits=1), clean_ref)
+
+  out, lse = _run(q, poisoned, table, lens, splits=1, mask_mode="multiply")
+  out = np.asarray(out, np.float32)
+  np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), nan_rows)
+  assert not np.isnan(np.asarray(lse)).any()
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(clean_ref[1]), rtol=1e-3, atol=1e-3)
+
+
 def test_reference_modes_on_poison():
   q, cache, table, lens = _problem(2, [BS + 5, 2 * BS, 0, 7], 8)
   poisoned, _ = _poison(cache, table, lens)

@@ -10,7 +10,8 @@ P V (a 64x256 f32 accumulator; 64x512 does not fit one warpgroup). Computing S
 twice costs tensor-core time but no SMEM exchange and no barrier between the
 consumers in the steady state (splitting S by slots needs wgmma B operands of
 K = 32 rows, which this Mosaic GPU version rejects for 128-byte swizzled
-tiles). KV bytes are read once.
+tiles). KV bytes are read once. Only the last block of a split can be
+partial: it is peeled out of the loop and alone pays for masking.
 
 The partial result of a split is written normalised, in float32, with its
 natural-log LSE; the wrapper merges splits. A split with no blocks writes
@@ -19,6 +20,7 @@ O = 0 and LSE = -inf and reads nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -181,7 +183,11 @@ def build_kernel(
         else:
           q_rope = q_rope_smem
 
-        def kv_step(step, carry):
+        def kv_step(step, carry, *, last: bool):
+          # `last` is static. Only the last block a split reads can hold
+          # slots past seq_len (the bounds are clipped to the row's blocks),
+          # so the steady-state loop runs the unmasked body, the same in
+          # both modes, and only the peeled last step pays for masking.
           acc, m_i, l_i = carry
           slot = lax.rem(step, NUM_STAGES)
           plgpu.barrier_wait(kv_bar.at[slot])
@@ -195,16 +201,20 @@ def build_kernel(
           # Both warpgroups compute the same scores (the price of splitting
           # the 512 value channels between them without an SMEM exchange).
           s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, block_size), jnp.float32))
-          # Slots of this block that hold tokens of the row; the rest (the
-          # unwritten tail of the last block) is masked by select in both modes.
-          n_valid = seq_len - (start + step) * block_size
-          col = plgpu.broadcasted_iota(
-              jnp.int32, (HEAD_TILE, block_size), 1, layout=plgpu.Layout.WGMMA
-          )
-          s = jnp.where(col < n_valid, s * scale_log2, -jnp.inf)
+          if last:
+            # Slots of this block that hold tokens of the row; the rest (the
+            # unwritten tail of the last block) is masked by select in both
+            # modes.
+            n_valid = seq_len - (start + step) * block_size
+            col = plgpu.broadcasted_iota(
+                jnp.int32, (HEAD_TILE, block_size), 1, layout=plgpu.Layout.WGMMA
+            )
+            s = jnp.where(col < n_valid, s * scale_log2, -jnp.inf)
+          else:
+            s = s * scale_log2
           m_new = jnp.maximum(m_i, s.max(axis=1))
 
-          if select:
+          if select and last:
             # Once both warpgroups are past their QK of this slot, each may
             # clean the value rows it alone reads: p = 0 alone cannot stop
             # 0 * NaN from reaching the accumulator.
@@ -246,7 +256,14 @@ def build_kernel(
           plgpu.barrier_arrive(free_bar.at[slot])
           return acc, m_new, l_i
 
-        acc, m_i, l_i = lax.fori_loop(0, n, kv_step, (acc, m_i, l_i))
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(
+            0, n - 1, functools.partial(kv_step, last=False), carry
+        )
+        # At most one trip: step n - 1 when n > 0.
+        acc, m_i, l_i = lax.fori_loop(
+            jnp.maximum(n - 1, 0), n, functools.partial(kv_step, last=True), carry
+        )
 
         # Orders every wgmma of both warpgroups before the epilogue
         # overwrites the (aliased) main-loop buffers.
