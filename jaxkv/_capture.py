@@ -36,7 +36,7 @@ def _pad_value(pad_values: Mapping[str, int], key: str) -> int:
   return pad_values.get(key, 0)
 
 
-def dummy_batch(example: Batch, size: int, pad_values: Mapping[str, int] = DEFAULT_PAD_VALUES) -> dict[str, jax.Array]:
+def dummy_batch(example: Mapping[str, Any], size: int, pad_values: Mapping[str, int] = DEFAULT_PAD_VALUES) -> dict[str, jax.Array]:
   """A batch of `size` padded rows shaped like `example` (all-zero tables, -1 slots, zero lengths)."""
   return {
       k: jnp.full((size, *v.shape[1:]), _pad_value(pad_values, k), v.dtype) for k, v in example.items()

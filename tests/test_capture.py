@@ -129,9 +129,10 @@ def test_select_mode_survives_the_dirty_null_block():
 
 
 def test_padded_replay_is_finite_writes_nothing_and_never_retraces():
-  traced = chex.assert_max_traces(
-      functools.partial(_step, skip_null_block=True, mask_mode="multiply", kernel=False), n=2
-  )
+  @chex.assert_max_traces(n=2)
+  def traced(cache, batch):
+    return _step(cache, batch, skip_null_block=True, mask_mode="multiply", kernel=False)
+
   captured, cache = jaxkv.capture(traced, _cache(), (2, 4), _batch(1))  # one trace per size
   assert captured.batch_sizes == (2, 4)
   jaxkv.assert_null_block_clean(cache, layout="BNC")
