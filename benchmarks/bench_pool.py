@@ -4,12 +4,14 @@ The step (issue 3): 256 running sequences each grow by one token, 8 finish, 8
 arrive with prompts of random length that often share one of 16 system
 prompts (prefix caching on, fences on, new blocks zeroed): advance_step ->
 free -> hash prompts + admit -> grow -> slot mapping -> mark_processed(step-1)
--> clear_pending, all in one jitted function.
+-> clear_pending, all in one jitted function. Decode grows with
+`max_new_tokens=1`, so grow works on a `[batch, 1]` grid.
 
 Printed: device time of the step on the accelerator (CUPTI kernel time per
 step: single steps, and a 64-step scan), wall time per step of the jitted
 step (dispatch included) and of `benchmarks/host_pool.py` (the peer, same
-schedule, same run), and ratios. The device state is checked against every
+schedule, same run, interleaved step by step), the kernels the compiled
+step launches (`hlo_kernels`), and ratios. History: benchmarks/POOL_NOTES.md. The device state is checked against every
 pool invariant and the admissions against the host pool.
 
   python benchmarks/bench_pool.py [--steps 100] [--out DIR]
@@ -21,6 +23,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -53,12 +56,29 @@ def step_fn(spec, state, finish, arrive, lens, tokens):
   state, (admitted, _) = pool.admit(spec, state, arrive, lens, digests, jnp.zeros_like(lens))
   running = jnp.where(state.active, jnp.arange(S, dtype=jnp.int32), -1)
   ones = state.active.astype(jnp.int32)
-  state, grown = pool.grow(spec, state, running, ones)
+  state, grown = pool.grow(spec, state, running, ones, max_new_tokens=1)
   state, slots = pool.slot_mapping(spec, state, running, ones, S)
   zero_list, _ = state.pending_zero
   state, _ = pool.mark_processed(spec, state, state.step - 1)
   ok = jnp.all(admitted | (arrive < 0)) & jnp.all(grown | (running < 0))
   return pool.clear_pending(spec, state), slots, zero_list, ok
+
+
+def hlo_kernels(hlo_text):
+  """Kernels the compiled step launches: top-level instructions of its entry computation.
+
+  Parameters, constants, tuples and bitcasts launch nothing; every fusion,
+  copy, scatter or loop does (a few microseconds each on a GPU).
+  """
+  entry = hlo_text[hlo_text.index("ENTRY"):]
+  entry = entry[: entry.index("\n}")]
+  skip = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+  count = 0
+  for line in entry.splitlines()[1:]:
+    m = re.search(r"=\s*\S+\s+([\w-]+)\(", line)
+    if m and m.group(1) not in skip:
+      count += 1
+  return count
 
 
 def schedule(rng, steps):
@@ -119,33 +139,33 @@ def main():
   init, trace = schedule(rng, warm + args.steps + 64)
   dtrace = [tuple(jnp.asarray(x) for x in t) for t in trace]
 
-  # --- host peer -----------------------------------------------------------
+  # --- host peer and jitted step, interleaved step by step ------------------
+  # Both see the same machine load (the CPU may be shared), so their ratio is
+  # meaningful even when the absolute figures drift.
   host = host_setup(init)
   host_active = list(range(RUNNING))
-  host_ms = []
-  for i, (fin, arr, lens, toks) in enumerate(trace[: warm + args.steps]):
+  step = jax.jit(functools.partial(step_fn, spec), donate_argnums=0)
+  state = device_setup(spec, init)
+  t_compile = time.perf_counter()
+  compiled = step.lower(state, *dtrace[0]).compile()
+  t_compile = time.perf_counter() - t_compile
+  kernels = hlo_kernels(compiled.as_text())
+  jax.block_until_ready(step(jax.tree.map(jnp.copy, state), *dtrace[0]))
+  host_ms, wall_ms, oks = [], [], []
+  for i, ((fin, arr, lens, toks), t) in enumerate(zip(trace[: warm + args.steps], dtrace)):
     arrivals = [(int(s), toks[k].tolist(), int(lens[k])) for k, s in enumerate(arr)]
     for s in fin:
       host_active.remove(int(s))
     host_active += [int(s) for s in arr]
     t0 = time.perf_counter()
-    host.step(fin.tolist(), [(s, tk, l) for s, tk, l in arrivals], sorted(host_active))
-    if i >= warm:
-      host_ms.append((time.perf_counter() - t0) * 1e3)
-
-  # --- jitted step: correctness, then wall time ----------------------------
-  step = jax.jit(functools.partial(step_fn, spec), donate_argnums=0)
-  state = device_setup(spec, init)
-  t_compile = time.perf_counter()
-  jax.block_until_ready(step(jax.tree.map(jnp.copy, state), *dtrace[0]))
-  t_compile = time.perf_counter() - t_compile
-  wall_ms, oks = [], []
-  for i, t in enumerate(dtrace[: warm + args.steps]):
-    t0 = time.perf_counter()
+    host.step(fin.tolist(), arrivals, sorted(host_active))
+    t1 = time.perf_counter()
     state, slots, zl, ok = step(state, *t)
     jax.block_until_ready(slots)
+    t2 = time.perf_counter()
     if i >= warm:
-      wall_ms.append((time.perf_counter() - t0) * 1e3)
+      host_ms.append((t1 - t0) * 1e3)
+      wall_ms.append((t2 - t1) * 1e3)
     oks.append(ok)
   all_ok = bool(jnp.all(jnp.stack(oks)))
   pool.assert_pool_valid(spec, state)
@@ -176,7 +196,7 @@ def main():
   row = dict(
       device=dev.device_kind, jax=jax.__version__, date="2026-11-29",
       shape=f"N={N} bs={BS} seqs={RUNNING} running (+{CHURN} arrive/{CHURN} finish) max_seqs={S} M={M}",
-      steps=args.steps, all_ok=all_ok, compile_s=round(t_compile, 2),
+      steps=args.steps, all_ok=all_ok, compile_s=round(t_compile, 2), hlo_kernels=kernels,
       jit_step_wall_us=round(med(wall_ms) * 1e3, 1), host_python_step_us=round(med(host_ms) * 1e3, 1),
       cupti_step_us=None if cupti_step is None else round(cupti_step, 1),
       cupti_scan_step_us=None if cupti_scan is None else round(cupti_scan, 1),

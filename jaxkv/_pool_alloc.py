@@ -16,28 +16,30 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, UInt32
 
 from . import _prefix
-from ._pool_call import ceil_div, check_request_array, cum_ok, first_bad, seq_requests, transition
-from ._pool_queue import append, pop_front, remove_from_queue
+from ._pool_call import ceil_div, check_request_array, first_bad, seq_requests, transition
+from ._pool_queue import prefix_sum, take_front
 from ._pool_spec import PoolSpec
 from ._pool_state import PoolState
 from ._types import BATCH, MAX_BLOCKS
 
 
 def _take(spec: PoolSpec, state: PoolState, count: Any, start: Any, first_col: Any, num_new: Any,
-          sid: Any, ok: Any, zero_from: Any) -> PoolState:
-  """Pops `sum(count)` blocks and writes them into the block table.
+          sid: Any, ok: Any, zero_from: Any, zero_start: Any, cols: int, remove: Any = None) -> PoolState:
+  """Pops `count` blocks (after taking `remove` out of the queue) into the block table.
 
   Request r (if ok) receives popped blocks `[start[r], start[r] + num_new[r])`
-  at table columns `first_col[r] + k`; those at columns `>= zero_from[r]` go to
-  the zero list when the pool zeroes new blocks. Popped cached blocks lose
-  their hash (eviction).
+  at table columns `first_col[r] + k`, `k < num_new[r] <= cols` (`cols` is
+  static: the request grid is `[batch, cols]`). When the pool zeroes new
+  blocks, those at columns `c >= zero_from[r]` go to the zero list at
+  `num_zero + zero_start[r] + c - zero_from[r]` (callers rank them, so no
+  pass over the grid is needed). Popped cached blocks lose their hash.
   """
   n, m = spec.num_blocks, spec.max_blocks_per_seq
   b = sid.shape[0]
-  kmax = min(b * m, n - 1)
-  popped, queue, num_free = pop_front(state.free_queue, state.num_free, count, kmax)
+  kmax = min(b * cols, n - 1)
+  popped, queue, num_free = take_front(state.free_queue, state.num_free, count, kmax, remove)
   state = _prefix.evict(state, popped, spec.hash_table_size) if spec.enable_prefix_caching else state
-  k = jnp.arange(m)[None, :]
+  k = jnp.arange(cols)[None, :]
   col = first_col[:, None] + k
   take = ok[:, None] & (k < num_new[:, None])
   block = jnp.where(take, popped[jnp.clip(start[:, None] + k, 0, kmax - 1)], -1)
@@ -46,43 +48,58 @@ def _take(spec: PoolSpec, state: PoolState, count: Any, start: Any, first_col: A
   ref = state.ref_count.at[jnp.where(take, block, n)].set(1, mode="drop")
   state = state.replace(free_queue=queue, num_free=num_free, block_table=table, ref_count=ref)
   if spec.zero_new_blocks:
-    zero = (take & (col >= zero_from[:, None])).reshape(-1)
-    zl, nz = append(state.zero_list, state.num_zero, block.reshape(-1), zero)
+    zero = take & (col >= zero_from[:, None])
+    size = spec.max_zero_list
+    pos = jnp.where(zero, state.num_zero + zero_start[:, None] + col - zero_from[:, None], size)
+    zl = state.zero_list.at[pos].set(block, mode="drop")
+    nz = state.num_zero + jnp.sum(zero.astype(jnp.int32))
     state = state.replace(zero_list=zl, num_zero=nz)
   return state
 
 
-def _grow_body(spec, state, seq_ids, num_new_tokens, *, checks):
+def _grow_body(spec, state, seq_ids, num_new_tokens, *, checks, max_new_tokens=None):
   bs = spec.block_size
+  if max_new_tokens is None:
+    max_new_tokens = spec.max_tokens_per_seq
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    raise ValueError(f"{max_new_tokens=} must be None or an int >= 0")
+  # Growing by n tokens adds at most ceil(n / block_size) blocks.
+  cols = max(1, min(spec.max_blocks_per_seq, ceil_div(max_new_tokens, bs)))
   seq_ids = check_request_array("seq_ids", seq_ids)
   if seq_ids.ndim != 1:
     raise ValueError(f"{seq_ids.shape=} must be [batch]")
   num_new_tokens = check_request_array("num_new_tokens", num_new_tokens, seq_ids.shape)
   pad, sid, unique = seq_requests(spec, state, seq_ids)
   t = state.num_tokens[sid]
-  fits = (num_new_tokens >= 0) & (num_new_tokens <= spec.max_tokens_per_seq - t)
+  fits = (num_new_tokens >= 0) & (num_new_tokens <= jnp.minimum(max_new_tokens, spec.max_tokens_per_seq - t))
   valid = unique & state.active[sid] & fits
   bad = ~pad & ~valid
   i = first_bad(bad)
   checks.require(
       ~jnp.any(bad),
       "grow: seq_ids[{i}]={s} is out of range, duplicated or inactive, or num_new_tokens[{i}]={k}"
-      " is negative or grows the sequence past max_blocks_per_seq",
+      " is negative, above max_new_tokens or grows the sequence past max_blocks_per_seq",
       i=i, s=seq_ids[i], k=num_new_tokens[i],
   )
   old_nb = ceil_div(t, bs)
   need = jnp.where(valid, ceil_div(t + num_new_tokens, bs) - old_nb, 0)
-  zneed = need if spec.zero_new_blocks else jnp.zeros_like(need)
-  ok = cum_ok(valid, need, state.num_free) & cum_ok(valid, zneed, spec.max_zero_list - state.num_zero)
+  # Every new block is zeroed (when the pool zeroes), so one running total
+  # checks both budgets. The requests that need and get blocks are a prefix
+  # of those that need any, so the total also places their blocks.
+  cum = prefix_sum(need)
+  fits = cum <= state.num_free
+  if spec.zero_new_blocks:
+    fits = fits & (cum <= spec.max_zero_list - state.num_zero)
+  ok = valid & ((need == 0) | fits)
   got = jnp.where(ok, need, 0)
-  start = jnp.cumsum(got) - got
-  state = _take(spec, state, jnp.sum(got), start, old_nb, got, sid, ok, old_nb)
+  start = cum - need
+  state = _take(spec, state, jnp.sum(got), start, old_nb, got, sid, ok, old_nb, start, cols)
   rows = jnp.where(ok, sid, spec.max_seqs)
   state = state.replace(num_tokens=state.num_tokens.at[rows].set(t + num_new_tokens, mode="drop"))
   return state, ok
 
 
-@transition("jaxkv.grow")
+@transition("jaxkv.grow", static=("max_new_tokens",))
 def grow(
     spec: PoolSpec,
     state: PoolState,
@@ -90,6 +107,7 @@ def grow(
     num_new_tokens: Int[Array, f"{BATCH}"],
     *,
     checks: Any,
+    max_new_tokens: int | None = None,
 ) -> tuple[PoolState, Any]:
   """Grows running sequences by `num_new_tokens` each, allocating blocks as needed.
 
@@ -103,6 +121,10 @@ def grow(
     seq_ids: `[batch]` int32 active sequence ids, -1 = padding.
     num_new_tokens: `[batch]` int32 tokens to add (>= 0).
     debug: (keyword) checkify misuse inside jit and leave the state unchanged.
+    max_new_tokens: (keyword, static) an upper bound on every
+      `num_new_tokens[r]`, e.g. 1 for a decode step; a larger count is a
+      misuse. It sizes the work at `[batch, ceil(max_new_tokens / block_size)]`
+      instead of `[batch, max_blocks_per_seq]`. None: no bound.
 
   Returns:
     `(state, ok [batch] bool)`: False for padding, misuse, or no room (blocks
@@ -110,9 +132,10 @@ def grow(
 
   Raises:
     ValueError: called eagerly with an inactive/unknown/repeated sequence, a
-      negative count, or a growth past `max_blocks_per_seq`.
+      negative count or one above `max_new_tokens`, or a growth past
+      `max_blocks_per_seq`.
   """
-  return _grow_body(spec, state, seq_ids, num_new_tokens, checks=checks)
+  return _grow_body(spec, state, seq_ids, num_new_tokens, checks=checks, max_new_tokens=max_new_tokens)
 
 
 def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *, checks):
@@ -147,7 +170,7 @@ def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *,
     # At least the last prompt token is always computed, as in vLLM.
     cap = jnp.maximum(prompt_lens - 1, 0) // bs
     found = found & (j < cap[:, None]) & valid[:, None]
-    hits = jnp.sum(jnp.cumprod(found.astype(jnp.int32), axis=1), axis=1)
+    hits = jnp.min(jnp.where(found, mh, j), axis=1).astype(jnp.int32)  # leading found blocks
     hit = j < hits[:, None]
     idle = hit & (state.ref_count[jnp.maximum(cand, 0)] == 0)
     flat = (jnp.arange(b)[:, None] * mh + j).astype(jnp.int32)
@@ -160,22 +183,27 @@ def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *,
   hit_tok = hits * bs
   load_end = jnp.maximum(hit_tok, load_tokens)
   zero_from = jnp.maximum(hits, ceil_div(load_end, bs))
-  new = nb - hits
+  new = jnp.where(valid, nb - hits, 0)
   need = jnp.where(valid, new + claimed, 0)
   zneed = jnp.where(valid, nb - zero_from, 0) if spec.zero_new_blocks else jnp.zeros_like(need)
-  # Admission stops at the first request that does not fit (the failing ones are a suffix).
-  ok = valid & (jnp.cumsum(need) <= state.num_free) & (jnp.cumsum(zneed) <= spec.max_zero_list - state.num_zero)
+  # One running total per budget (blocks, zero list) and for placement.
+  # Admission stops at the first request that does not fit (the failing ones
+  # are a suffix), so the totals over valid requests also place the admitted
+  # ones' blocks and zero-list entries.
+  cums = prefix_sum(jnp.stack([need, zneed, new], axis=1))
+  ok = valid & (cums[:, 0] <= state.num_free) & (cums[:, 1] <= spec.max_zero_list - state.num_zero)
   got = jnp.where(ok, new, 0)
   if spec.enable_prefix_caching:
     hit = hit & ok[:, None]
     ref = state.ref_count.at[jnp.where(hit, cand, n)].add(1, mode="drop")
     remove = jnp.zeros((n,), bool).at[jnp.where(first & ok[:, None], cand, n)].set(True, mode="drop")
-    queue, num_free = remove_from_queue(state.free_queue, state.num_free, remove)
     rows = jnp.where(hit, sid[:, None], spec.max_seqs)
     table = state.block_table.at[rows, j].set(cand, mode="drop")
-    state = state.replace(ref_count=ref, free_queue=queue, num_free=num_free, block_table=table)
-  start = jnp.cumsum(got) - got
-  state = _take(spec, state, jnp.sum(got), start, hits, got, sid, ok, zero_from)
+    state = state.replace(ref_count=ref, block_table=table)
+  else:
+    remove = None
+  state = _take(spec, state, jnp.sum(got), cums[:, 2] - new, hits, got, sid, ok, zero_from,
+                cums[:, 1] - zneed, m, remove)
   if spec.enable_prefix_caching:
     # Register the new full prompt blocks that no load fills (loaded blocks never are).
     reg = ok[:, None] & (j >= zero_from[:, None]) & (j < nf[:, None])

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from ._pool_queue import prefix_sum
 from ._pool_spec import PoolSpec
 
 
@@ -45,29 +46,38 @@ def _traced(tree: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
-def transition(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """Turns `body(spec, state, *args, checks) -> (state, result)` into a public transition."""
+def transition(scope: str, static: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Turns `body(spec, state, *args, checks, **static) -> (state, result)` into a public transition.
+
+  `static` names keyword arguments that shape the computation (hashable Python
+  values): each distinct value compiles its own eager validator.
+  """
 
   def deco(body: Callable[..., Any]) -> Callable[..., Any]:
-    def run(spec, state, *args, debug):
+    def run(spec, state, *args, debug, **kw):
       checks = Checks(debug)
       with jax.named_scope(scope):
-        new, result = body(spec, state, *args, checks=checks)
+        new, result = body(spec, state, *args, checks=checks, **kw)
         if debug:
           new = jax.tree.map(lambda old, upd: jnp.where(checks.bad, old, upd), state, new)
       return new, result
 
-    # Eager calls exist to validate; optimising their code would only slow compilation.
-    eager = jax.jit(checkify.checkify(functools.partial(run, debug=True)), static_argnums=0,
-                    compiler_options={"xla_backend_optimization_level": 0})
+    @functools.cache
+    def eager(kw_items):
+      # Eager calls exist to validate; optimising their code would only slow compilation.
+      return jax.jit(checkify.checkify(functools.partial(run, debug=True, **dict(kw_items))),
+                     static_argnums=0, compiler_options={"xla_backend_optimization_level": 0})
 
     @functools.wraps(body)
-    def public(spec, state, *args, debug=False):
+    def public(spec, state, *args, debug=False, **kw):
       if not isinstance(spec, PoolSpec):
         raise ValueError(f"spec must be a PoolSpec, got {type(spec).__name__}")
+      unknown = sorted(set(kw) - set(static))
+      if unknown:
+        raise TypeError(f"{body.__name__}() got unexpected keyword arguments {unknown}")
       if _traced((state, args)):
-        return run(spec, state, *args, debug=debug)
-      err, out = eager(spec, state, *args)
+        return run(spec, state, *args, debug=debug, **kw)
+      err, out = eager(tuple(sorted(kw.items())))(spec, state, *args)
       msg = err.get()
       if msg is not None:
         raise ValueError(msg.split("\n")[0].split(" (`check` failed)")[0])
@@ -109,5 +119,5 @@ def ceil_div(a: Any, b: int) -> Any:
 
 def cum_ok(valid: Any, need: Any, budget: Any) -> Any:
   """Requests served in order: one that needs something gets it while the running total fits."""
-  cum = jnp.cumsum(jnp.where(valid, need, 0))
+  cum = prefix_sum(jnp.where(valid, need, 0))
   return valid & ((need == 0) | (cum <= budget))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ._pool_call import check_request_array, ceil_div, first_bad, seq_requests, transition
-from ._pool_queue import append, push_freed
+from ._pool_queue import prefix_sum, push_freed
 from ._pool_spec import PoolSpec
 from ._pool_state import PoolState
 from ._types import BATCH
@@ -24,10 +24,13 @@ def release(spec: PoolSpec, state: PoolState, events: Any) -> PoolState:
     # Only a step that has started and is not processed yet can still write them.
     fenced = state.step > state.processed
     valid = (events > 0) & fenced
-    parked, num = append(state.parked, state.num_parked, events, valid)
-    steps, _ = append(state.parked_step, state.num_parked, jnp.broadcast_to(state.step, events.shape), valid)
-    fence = state.block_fence.at[jnp.where(valid, events, spec.num_blocks)].set(state.step, mode="drop")
-    state = state.replace(parked=parked, parked_step=steps, num_parked=num, block_fence=fence)
+    pos = jnp.where(valid, state.num_parked + prefix_sum(valid.astype(jnp.int32)) - 1, spec.num_blocks)
+    state = state.replace(
+        parked=state.parked.at[pos].set(events, mode="drop"),
+        parked_step=state.parked_step.at[pos].set(state.step, mode="drop"),
+        num_parked=state.num_parked + jnp.sum(valid.astype(jnp.int32)),
+        block_fence=state.block_fence.at[jnp.where(valid, events, spec.num_blocks)].set(state.step, mode="drop"),
+    )
     events = jnp.where(fenced, -1, events)
   queue, num_free = push_freed(state.free_queue, state.num_free, events, state.hashed)
   return state.replace(free_queue=queue, num_free=num_free)
@@ -49,22 +52,30 @@ def _free_body(spec: PoolSpec, state: PoolState, seq_ids: Any, *, checks: Any) -
   # Row r lists its blocks last first: a sequence frees its tail before its head.
   k = jnp.arange(m)[None, :]
   col = jnp.clip(nb[:, None] - 1 - k, 0, m - 1)
-  blocks = jnp.where(k < nb[:, None], state.block_table[sid[:, None], col], -1).reshape(-1)
-  live = blocks >= 0
+  live = k < nb[:, None]
+  blocks = jnp.where(live, state.block_table[sid[:, None], col], -1)
+  # Ref counts after every listed reference is dropped; below 0 means a block
+  # is listed more often than it is held (double free). The scatters touch
+  # only the listed blocks and update the counts in place.
   safe = jnp.maximum(blocks, 0)
-  dec = jnp.zeros((n,), jnp.int32).at[jnp.where(live, blocks, n)].add(1, mode="drop")
-  over = live & ((blocks == 0) | (state.ref_count[safe] < dec[safe]))
-  j = first_bad(over)
+  ref = state.ref_count.at[jnp.where(live, blocks, n)].add(-1, mode="drop")
+  over = live & ((blocks == 0) | (ref[safe] < 0))
+  j = first_bad(over.reshape(-1))
   checks.require(~jnp.any(over), "free: block {blk} is the null block or already free (double free)",
-                 blk=blocks[j])
-  ok = valid & ~jnp.any(over.reshape(b, m), axis=1)
-  # Recompute without requests that would corrupt the counts.
-  live = live & jnp.repeat(ok, m)
-  dec = jnp.zeros((n,), jnp.int32).at[jnp.where(live, blocks, n)].add(1, mode="drop")
-  ref = state.ref_count - dec
-  flat = jnp.arange(b * m, dtype=jnp.int32)
-  last = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, blocks, n)].max(flat, mode="drop")
-  events = jnp.where(live & (ref[safe] == 0) & (last[safe] == flat), blocks, -1)
+                 blk=blocks.reshape(-1)[j])
+  ok = valid & ~jnp.any(over, axis=1)
+  # Requests that would corrupt the counts give their references back.
+  ref = ref.at[jnp.where(live & ~ok[:, None], blocks, n)].add(1, mode="drop")
+  live = live & ok[:, None]
+  # A block leaves at its last listed reference once none remains: among its
+  # listed copies the latest position wins a scatter-min of `-1 - position`
+  # into its count (0), which is then restored.
+  flat = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+  zero = live & (ref[safe] == 0)
+  target = jnp.where(zero, blocks, n)
+  ref = ref.at[target].min(-1 - flat, mode="drop")
+  events = jnp.where(zero & (ref[safe] == -1 - flat), blocks, -1).reshape(-1)
+  ref = ref.at[target].set(0, mode="drop")
   rows = jnp.where(ok, sid, spec.max_seqs)
   state = state.replace(
       ref_count=ref,

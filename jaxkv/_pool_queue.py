@@ -1,7 +1,11 @@
 """Vectorised list operations on the free queue, the parked list and the pending lists.
 
-All lists are fixed-size int32 arrays padded with -1 past a dynamic count. Every
-operation is O(list size + items) with cumsum/scatter, never a loop over blocks.
+All lists are fixed-size int32 arrays padded with -1 past a dynamic count. The
+free queue keeps its live entries at `[0, num_free)`, so a pop or a push to the
+front moves every entry: that costs one gather over the queue (a single fused
+pass, the same on every backend). Ranks (cumsums), scatters and searches run
+over the items that change, never over the whole queue, except where blocks
+leave from the middle (`take_front` with removals).
 """
 
 from __future__ import annotations
@@ -11,6 +15,31 @@ from typing import Any
 import jax.numpy as jnp
 
 from ._pool_spec import PoolSpec
+
+
+def prefix_sum(x: Any) -> Any:
+  """Inclusive running sum along axis 0 of `[n]` or `[n, k]` int32.
+
+  XLA lowers `cumsum` to a tree of reduce-windows (five or more kernels at
+  any length). Lists of a request batch are short, so they are summed in
+  blocks of 32 with two masked reductions instead (two fused kernels,
+  `n * 32 + (n / 32)**2` adds); long ones keep `cumsum`.
+  """
+  n = x.shape[0]
+  if n > 4096:
+    return jnp.cumsum(x, axis=0)
+  b = min(n, 32)
+  a = -(-n // b)
+  rest = x.shape[1:]
+  xb = jnp.pad(x, [(0, a * b - n)] + [(0, 0)] * len(rest)).reshape((a, b) + rest)
+  extra = (None,) * len(rest)
+  i = jnp.arange(b)
+  upto = (i[None, :] <= i[:, None])[(None, slice(None), slice(None)) + extra]
+  within = jnp.sum(jnp.where(upto, xb[:, None], 0), axis=2)  # [a, b, ...]
+  ia = jnp.arange(a)
+  earlier = (ia[None, :] < ia[:, None])[(slice(None), slice(None)) + extra]
+  before = jnp.sum(jnp.where(earlier, within[None, :, -1], 0), axis=1)  # [a, ...]
+  return (within + before[:, None]).reshape((a * b,) + rest)[:n]
 
 
 def compact(ids: Any, keep: Any, size: int) -> tuple[Any, Any]:
@@ -24,18 +53,18 @@ def compact(ids: Any, keep: Any, size: int) -> tuple[Any, Any]:
   Returns:
     `(packed [size], count [])`.
   """
-  pos = jnp.cumsum(keep.astype(jnp.int32)) - 1
+  pos = prefix_sum(keep.astype(jnp.int32)) - 1
   out = jnp.full((size,), -1, jnp.int32)
   out = out.at[jnp.where(keep, pos, size)].set(ids, mode="drop")
-  return out, jnp.sum(keep.astype(jnp.int32))
+  return out, pos[-1] + 1
 
 
 def append(lst: Any, count: Any, items: Any, valid: Any) -> tuple[Any, Any]:
   """Appends the valid `items` (in order) to a padded list; callers checked capacity."""
   size = lst.shape[0]
-  pos = count + jnp.cumsum(valid.astype(jnp.int32)) - 1
+  pos = count + prefix_sum(valid.astype(jnp.int32)) - 1
   lst = lst.at[jnp.where(valid, pos, size)].set(items, mode="drop")
-  return lst, count + jnp.sum(valid.astype(jnp.int32))
+  return lst, pos[-1] + 1
 
 
 def in_queue_mask(spec: PoolSpec, queue: Any, num_free: Any) -> Any:
@@ -46,12 +75,21 @@ def in_queue_mask(spec: PoolSpec, queue: Any, num_free: Any) -> Any:
   )
 
 
+def _shifted(queue: Any, shift: Any, lo: Any, hi: Any) -> Any:
+  """`out[i] = queue[i - shift]` for `lo <= i < hi`, -1 elsewhere: one gather pass."""
+  n = queue.shape[0]
+  i = jnp.arange(n, dtype=jnp.int32)
+  return jnp.where((i >= lo) & (i < hi), queue[jnp.clip(i - shift, 0, n - 1)], -1)
+
+
 def push_freed(queue: Any, num_free: Any, events: Any, hashed: Any) -> tuple[Any, Any]:
   """Pushes freed blocks into the free queue, one block at a time in `events` order.
 
   A block without a prefix hash goes to the front, so the last one freed is
   the first reused (LIFO); a hashed block goes to the back, so the earliest
-  freed cached block is evicted first (LRU).
+  freed cached block is evicted first (LRU). The result is
+  `reversed(unhashed) + queue + hashed`: the old entries shift by the number
+  of unhashed events (one gather) and the events are scattered around them.
 
   Args:
     queue: `[num_blocks]` free queue; `num_free` its count.
@@ -59,32 +97,40 @@ def push_freed(queue: Any, num_free: Any, events: Any, hashed: Any) -> tuple[Any
     hashed: `[num_blocks]` bool, the blocks' hash flags.
   """
   n = queue.shape[0]
-  safe = jnp.maximum(events, 0)
-  is_hashed = hashed[safe]
-  front = jnp.where((events > 0) & ~is_hashed, events, -1)[::-1]
-  back = jnp.where((events > 0) & is_hashed, events, -1)
-  live = jnp.where(jnp.arange(n) < num_free, queue, -1)
-  ids = jnp.concatenate([front, live, back])
-  return compact(ids, ids > 0, n)
+  valid = events > 0
+  is_hashed = hashed[jnp.maximum(events, 0)]
+  kinds = jnp.stack([valid & ~is_hashed, valid & is_hashed], axis=1).astype(jnp.int32)
+  ranks = prefix_sum(kinds)  # [m, 2] inclusive ranks of front / back events
+  num_front, num_back = ranks[-1, 0], ranks[-1, 1]
+  dest = jnp.where(is_hashed, num_front + num_free + ranks[:, 1] - 1, num_front - ranks[:, 0])
+  out = _shifted(queue, num_front, num_front, num_front + num_free)
+  out = out.at[jnp.where(valid, dest, n)].set(events, mode="drop")
+  return out, num_free + num_front + num_back
 
 
-def remove_from_queue(queue: Any, num_free: Any, remove: Any) -> tuple[Any, Any]:
-  """Drops blocks with `remove[block]` from the queue, keeping the others' order."""
-  n = queue.shape[0]
-  live = (jnp.arange(n) < num_free) & (queue > 0)
-  keep = live & ~remove[jnp.maximum(queue, 0)]
-  return compact(queue, keep, n)
+def take_front(queue: Any, num_free: Any, count: Any, kmax: int, remove: Any = None) -> tuple[Any, Any, Any]:
+  """Takes the blocks flagged in `remove` out of the queue, then pops `count` from the front.
 
-
-def pop_front(queue: Any, num_free: Any, count: Any, kmax: int) -> tuple[Any, Any, Any]:
-  """Pops `count <= num_free` blocks from the front.
+  Args:
+    queue: `[n]` free queue; `num_free` its count.
+    count: `[]` blocks to pop, at most what is left after the removals.
+    kmax: static length of the popped list.
+    remove: `[num_blocks]` bool or None (nothing removed).
 
   Returns:
     `(popped [kmax] padded with -1, queue, num_free)`.
   """
   n = queue.shape[0]
-  k = jnp.arange(kmax)
-  popped = jnp.where(k < count, queue[jnp.minimum(k, n - 1)], -1)
-  idx = jnp.arange(n) + count
-  rest = jnp.where(idx < num_free, queue[jnp.minimum(idx, n - 1)], -1)
-  return popped, rest, num_free - count
+  k = jnp.arange(kmax, dtype=jnp.int32)
+  if remove is None:
+    popped = jnp.where(k < count, queue[jnp.minimum(k, n - 1)], -1)
+    return popped, _shifted(queue, -count, 0, num_free - count), num_free - count
+  live = jnp.arange(n) < num_free
+  keep = live & ~remove[jnp.maximum(queue, 0)]
+  pos = jnp.cumsum(keep.astype(jnp.int32)) - 1  # rank among the entries that stay
+  left = pos[-1] + 1 - count
+  popped = jnp.full((kmax,), -1, jnp.int32).at[jnp.where(keep & (pos < count), pos, kmax)].set(
+      queue, mode="drop")
+  rest = jnp.full((n,), -1, jnp.int32).at[jnp.where(keep & (pos >= count), pos - count, n)].set(
+      queue, mode="drop")
+  return popped, rest, left

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ._pool_call import check_request_array
+from ._pool_queue import prefix_sum
 from ._pool_spec import PoolSpec
 from ._pool_state import PoolState
 from ._types import BATCH, TOKENS
@@ -49,7 +50,10 @@ def slot_mapping(
     count = jnp.where(live, jnp.clip(num_new_tokens, 0, state.num_tokens[sid]), 0)
     ends = jnp.cumsum(count)
     t = jnp.arange(num_slots, dtype=jnp.int32)
-    r = jnp.minimum(jnp.searchsorted(ends, t, side="right"), seq_ids.shape[0] - 1).astype(jnp.int32)
+    # Request of token t: how many requests end at or before t (a searchsorted
+    # would be a loop; a histogram of the ends and its running sum is not).
+    ended = jnp.zeros((num_slots,), jnp.int32).at[ends].add(1, mode="drop")
+    r = jnp.minimum(prefix_sum(ended), seq_ids.shape[0] - 1)
     pos = state.num_tokens[sid[r]] - ends[r] + t
     block = state.block_table[sid[r], jnp.clip(pos // bs, 0, m - 1)]
     slots = jnp.where((t < ends[-1]) & (block > 0), block * bs + pos % bs, -1)

@@ -83,15 +83,14 @@ def hash_prompt_blocks(
   with jax.named_scope("jaxkv.hash_prompt_blocks"):
     tok = tokens.astype(jnp.uint32).reshape(b, m, block_size)
     pos = (jnp.arange(block_size, dtype=jnp.uint32) * _POS_MUL)[None, None, :]
-    lanes = []
-    for seed, radix in zip(_SEEDS, _RADIX):
-      # Per-block digest: order-sensitive through the position term.
-      d = jnp.sum(_fmix(tok * _TOKEN_MUL + pos + np.uint32(seed)), axis=2, dtype=jnp.uint32)
-      d = _fmix(d ^ np.uint32(block_size))
-      fwd, bwd = _powers(radix, m)
-      prefix = jnp.cumsum(d * bwd[None, :], axis=1, dtype=jnp.uint32) * fwd[None, :]
-      lanes.append(_fmix(prefix + np.uint32(seed)))
-    return jnp.stack(lanes, axis=-1)
+    # Both lanes at once, on a trailing axis: one running sum for the pair.
+    seed = np.array(_SEEDS, np.uint32).reshape(1, 1, 1, 2)
+    d = jnp.sum(_fmix(tok[..., None] * _TOKEN_MUL + pos[..., None] + seed), axis=2, dtype=jnp.uint32)
+    d = _fmix(d ^ np.uint32(block_size))  # [b, m, 2] per-block digests
+    fwd, bwd = zip(*(_powers(radix, m) for radix in _RADIX))
+    fwd, bwd = np.stack(fwd, axis=-1), np.stack(bwd, axis=-1)  # [m, 2]
+    prefix = jnp.cumsum(d * bwd[None], axis=1, dtype=jnp.uint32) * fwd[None]
+    return _fmix(prefix + seed[0])
 
 
 def table_slot(hashes: Any, table_size: int) -> Any:
