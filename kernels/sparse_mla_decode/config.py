@@ -1,0 +1,77 @@
+"""Tuning config of sparse MLA decode: how many splits of the top-k list per row."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxkv.kernels._common import device_kind, load_tuning
+
+OP = "sparse_mla_decode"
+MAX_SPLITS = 64
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMLADecodeConfig:
+  """Static launch parameters (hashable; a jit static argument).
+
+  Attributes:
+    num_splits: splits of each row's top-k list, one CTA each, merged by
+      log-sum-exp afterwards; more fill the SMs at small batch, at the cost of
+      one float32 partial output per split. `topk` must be a multiple of
+      `32 * num_splits`.
+    implementation: what a compiled (non-interpreted) call runs: "xla" (the
+      jnp reference, the default) or "pallas" (the Mosaic GPU kernel). The
+      kernel's current version passes every interpreter test but has not yet
+      run on an H200 (its previous version gave wrong "multiply" results
+      there; see NOTES.md), so it is opt-in until a device run verifies it.
+      Interpreted calls always run the kernel.
+  """
+
+  num_splits: int = 1
+  implementation: str = "xla"
+
+  def __post_init__(self):
+    value = self.num_splits
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"num_splits={value!r} must be a positive int")
+    if value > MAX_SPLITS:
+      raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
+
+
+def heuristic_config(
+    *, batch: int, num_heads: int, topk: int, num_sms: int = 132
+) -> SparseMLADecodeConfig:
+  """A config for any device: split until the grid covers the SMs once."""
+  ctas = batch * -(-num_heads // 64)
+  splits = 1
+  while ctas * splits * 2 <= num_sms and topk % (32 * splits * 2) == 0:
+    splits *= 2
+  return SparseMLADecodeConfig(num_splits=min(splits, MAX_SPLITS))
+
+
+def config_from_entries(
+    entries: list[dict[str, Any]], *, batch: int, num_heads: int, topk: int
+) -> SparseMLADecodeConfig | None:
+  """The first tuned entry whose `max_batch` / `heads` match and divides topk."""
+  for entry in entries:
+    if batch <= entry["max_batch"] and num_heads in entry["heads"]:
+      config = SparseMLADecodeConfig(**entry["config"])
+      if topk % (32 * config.num_splits) == 0:
+        return config
+  return None
+
+
+def default_config(*, batch: int, num_heads: int, topk: int) -> SparseMLADecodeConfig:
+  """The tuned config of this device where one matches, else the heuristic."""
+  tuned = load_tuning(OP, device_kind())
+  if tuned is not None:
+    config = config_from_entries(
+        tuned["entries"], batch=batch, num_heads=num_heads, topk=topk
+    )
+    if config is not None:
+      return config
+  return heuristic_config(batch=batch, num_heads=num_heads, topk=topk)

@@ -1,0 +1,73 @@
+"""The specification of sparse (top-k) MLA decode, in plain jnp with float32 accumulation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxkv._types import BATCH, HEADS, TOPK, Lse, MLACache, MLAQuery
+
+MASK_MODES = ("select", "multiply")
+TopkIndices = Int[Array, f"{BATCH} {TOPK}"]
+
+
+def sparse_mla_decode_reference(
+    q: MLAQuery,
+    cache: MLACache,
+    indices: TopkIndices,
+    *,
+    sm_scale: float,
+    dv: int = 512,
+    mask_mode: str = "select",
+) -> tuple[Float[Array, f"{BATCH} {HEADS} dv"], Lse]:
+  """Absorbed MLA decode over the cache slots a row selected.
+
+  Row `b` attends to the tokens in slots `indices[b, :]` (global slot id
+  `block * block_size + offset`); `-1` marks an invalid entry. A slot listed
+  twice counts twice. An invalid entry gets probability 0 in both modes. In
+  "multiply" mode it is clamped to slot 0 (block 0, the null block) and that
+  slot's value row is still accumulated with probability 0, so NaN there
+  yields NaN in the row (as in production kernels); in "select" mode it never
+  reaches the accumulator. A row without a valid entry attended to nothing:
+  `out` 0 and `lse` -inf in both modes. Entries at or past `num_blocks *
+  block_size` are out of contract.
+
+  Args:
+    q: `[batch, heads, 576]` queries (512 latent + 64 RoPE channels).
+    cache: `[num_blocks, block_size, 576]` latent cache.
+    indices: `[batch, topk]` int32 global slot ids, -1 invalid.
+    sm_scale: scale of the logits `q . k`.
+    dv: value channels (the first `dv` cache channels).
+    mask_mode: "select" or "multiply".
+
+  Returns:
+    `out` `[batch, heads, dv]` in q's dtype and `lse` `[batch, heads]`
+    float32, the natural-log log-sum-exp of the scaled logits over the valid
+    entries.
+  """
+  if mask_mode not in MASK_MODES:
+    raise ValueError(f"{mask_mode=} must be one of {MASK_MODES}")
+  with jax.named_scope("jaxkv.sparse_mla_decode_reference"):
+    rows = cache.reshape(-1, cache.shape[-1])
+    valid = indices >= 0  # [batch, topk]
+    kv = rows[jnp.maximum(indices, 0)]  # [batch, topk, 576]
+    s = jnp.einsum(
+        "bhd,btd->bht", q, kv, preferred_element_type=jnp.float32
+    ) * jnp.float32(sm_scale)
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)  # exactly 0 on invalid entries
+    l = jnp.sum(p, axis=-1)
+    v = kv[..., :dv]
+    if mask_mode == "select":
+      v = jnp.where(valid[:, :, None], v, jnp.zeros((), kv.dtype))
+    o = jnp.einsum(
+        "bht,btd->bhd", p, v.astype(jnp.float32),
+        preferred_element_type=jnp.float32,
+    )
+    has = l > 0.0
+    o = jnp.where(has[..., None], o / jnp.where(has, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(has, m[..., 0] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    return o.astype(q.dtype), lse

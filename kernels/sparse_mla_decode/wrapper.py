@@ -1,0 +1,160 @@
+"""sparse_mla_decode: validates a top-k decode, launches the kernel, merges its splits."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Shaped
+
+from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
+from jaxkv.kernels._common import resolve_interpret
+from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
+from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
+from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
+
+TOPK_MULTIPLE = 64
+MAX_TOPK = 2048
+MAX_HEADS = 128
+
+
+def sparse_mla_decode(
+    q: Shaped[Array, "..."],
+    cache: Shaped[Array, "..."],
+    indices: Shaped[Array, "..."],
+    *,
+    sm_scale: float,
+    dv: int = 512,
+    mask_mode: str = "select",
+    config: SparseMLADecodeConfig | None = None,
+    interpret: Any = None,
+) -> tuple[Float[Array, f"{BATCH} {HEADS} dv"], Lse]:
+  """DeepSeek sparse-attention decode: each row attends to its top-k cache slots.
+
+  (Inputs are annotated loosely so that bad shapes reach the ValueError checks.)
+
+  Semantics are those of `sparse_mla_decode_reference`: `-1` entries get
+  probability 0; "multiply" clamps them to slot 0 (the null block) and still
+  accumulates its value row, "select" never lets them reach the accumulator;
+  duplicates count as often as they appear; a row without a valid entry gives
+  `out` 0 and `lse` -inf. Works under `jax.jit` with traced indices.
+
+  Args:
+    q: `[batch, heads, 576]` bf16 or float32 queries (1 to 128 heads; cast to
+      bf16 for the tensor cores).
+    cache: `[num_blocks, block_size, 576]` bf16 latent cache.
+    indices: `[batch, topk]` int32 global slot ids (`block * block_size +
+      offset`), -1 invalid; topk a multiple of 64, at most 2048.
+    sm_scale: scale of the logits `q . k`.
+    dv: value channels; the kernel supports 512.
+    mask_mode: "select" (NaN-safe) or "multiply" (like production kernels).
+    config: launch parameters; default the tuned config of this device kind.
+    interpret: see `jaxkv.kernels._common.resolve_interpret`. A compiled
+      call runs `config.implementation` ("xla" by default, see
+      `SparseMLADecodeConfig`); an interpreted one runs the Pallas kernel.
+
+  Returns:
+    `out` `[batch, heads, dv]` in q's dtype and `lse` `[batch, heads]`
+    float32 (natural log).
+  """
+  with jax.named_scope("jaxkv.sparse_mla_decode"):
+    _validate(q, cache, indices, dv, mask_mode)
+    batch, heads, _ = q.shape
+    topk = indices.shape[1]
+    if config is None:
+      config = default_config(batch=batch, num_heads=heads, topk=topk)
+    if topk % (_kernel.TILE * config.num_splits):
+      raise ValueError(
+          f"{config.num_splits=} must divide {topk=} into multiples of"
+          f" {_kernel.TILE} indices"
+      )
+    interpret = resolve_interpret(interpret)
+    if interpret is None and config.implementation == "xla":
+      return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
+    return _sparse_mla_decode(
+        q,
+        cache,
+        indices,
+        sm_scale=float(sm_scale),
+        select=mask_mode == "select",
+        num_splits=config.num_splits,
+        interpret=interpret,
+    )
+
+
+def _validate(q, cache, indices, dv, mask_mode) -> None:
+  if mask_mode not in MASK_MODES:
+    raise ValueError(f"{mask_mode=} must be one of {MASK_MODES}")
+  if dv != MLA_LATENT_DIM:
+    raise ValueError(f"{dv=} must be {MLA_LATENT_DIM} (the latent channels)")
+  if q.ndim != 3 or q.shape[-1] != MLA_HEAD_DIM or q.dtype not in (
+      jnp.bfloat16, jnp.float32
+  ):
+    raise ValueError(
+        f"{q.shape=} {q.dtype=} must be [batch, heads, {MLA_HEAD_DIM}] bf16/f32"
+    )
+  if not 1 <= q.shape[1] <= MAX_HEADS or q.shape[0] < 1:
+    raise ValueError(f"{q.shape=} must have 1 to {MAX_HEADS} heads and batch >= 1")
+  if cache.ndim != 3 or cache.shape[-1] != MLA_HEAD_DIM or cache.dtype != jnp.bfloat16:
+    raise ValueError(
+        f"{cache.shape=} {cache.dtype=} must be [num_blocks, block_size,"
+        f" {MLA_HEAD_DIM}] bf16"
+    )
+  if cache.shape[0] < 1 or cache.shape[1] < 1:
+    raise ValueError(f"{cache.shape=} must have at least one block and slot")
+  if indices.ndim != 2 or indices.dtype != jnp.int32 or indices.shape[0] != q.shape[0]:
+    raise ValueError(
+        f"{indices.shape=} {indices.dtype=} must be [batch, topk] int32 with"
+        f" batch = {q.shape[0]} ({q.shape=})"
+    )
+  topk = indices.shape[1]
+  if topk == 0 or topk % TOPK_MULTIPLE or topk > MAX_TOPK:
+    raise ValueError(
+        f"{indices.shape=}: topk must be a positive multiple of {TOPK_MULTIPLE}"
+        f" of at most {MAX_TOPK} (pad with -1)"
+    )
+
+
+_reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "dv", "mask_mode"))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "select", "num_splits", "interpret")
+)
+def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, interpret):
+  batch, heads, _ = q.shape
+  heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
+  qp = q.astype(jnp.bfloat16)
+  if heads_padded != heads:
+    qp = jnp.pad(qp, ((0, 0), (0, heads_padded - heads), (0, 0)))
+  rows = cache.reshape(-1, _kernel.NUM_CHUNKS, _kernel.CHUNK)
+  call = _kernel.build_kernel(
+      batch=batch,
+      heads_padded=heads_padded,
+      topk=indices.shape[1],
+      num_splits=num_splits,
+      sm_scale=sm_scale,
+      select=select,
+      interpret=interpret,
+  )
+  o, lse = call(qp, rows, indices)  # [b, s, hp, 512] f32, [b, s, hp] f32
+  o, lse = o[:, :, :heads], lse[:, :, :heads]
+  if num_splits == 1:
+    o, lse = o[:, 0], lse[:, 0]
+    return jnp.where((lse > -jnp.inf)[..., None], o, 0.0).astype(q.dtype), lse
+  return merge_splits(o, lse, q.dtype)
+
+
+def merge_splits(o, lse, dtype):
+  """Merges normalised split results `[b, s, h, d]` by their LSE `[b, s, h]`."""
+  top = jnp.max(lse, axis=1)  # [b, h]
+  has = top > -jnp.inf
+  top_safe = jnp.where(has, top, 0.0)
+  w = jnp.exp(lse - top_safe[:, None, :])  # 0 for empty splits
+  tot = jnp.sum(w, axis=1)
+  out = jnp.einsum("bsh,bshd->bhd", w, o) / jnp.where(has, tot, 1.0)[..., None]
+  out = jnp.where(has[..., None], out, 0.0)
+  lse_out = jnp.where(has, top_safe + jnp.log(jnp.where(has, tot, 1.0)), -jnp.inf)
+  return out.astype(dtype), lse_out

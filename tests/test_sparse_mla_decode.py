@@ -1,0 +1,153 @@
+"""sparse_mla_decode against its jnp reference, in the Mosaic GPU interpreter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkv.kernels.sparse_mla_decode import (
+    SparseMLADecodeConfig,
+    sparse_mla_decode,
+    sparse_mla_decode_reference,
+)
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
+NUM_BLOCKS, BLOCK_SIZE = 4, 16
+SCALE = 576**-0.5
+
+
+def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
+  kq, kc, ki, km = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (batch, heads, 576), jnp.float32).astype(jnp.bfloat16)
+  cache = jax.random.normal(kc, (NUM_BLOCKS, BLOCK_SIZE, 576), jnp.float32)
+  cache = cache.astype(jnp.bfloat16)
+  # Slot 0 (the null block) is never a valid index here.
+  idx = jax.random.randint(ki, (batch, topk), 1, NUM_BLOCKS * BLOCK_SIZE, jnp.int32)
+  if dup:
+    idx = idx.at[:, 1::2].set(idx[:, 0::2])
+  idx = jnp.where(jax.random.uniform(km, (batch, topk)) < invalid, -1, idx)
+  for r in dead_rows:
+    idx = idx.at[r].set(-1)
+  return q, cache, idx
+
+
+def _run(q, cache, idx, mode, splits=1):
+  return sparse_mla_decode(
+      q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=INTERPRET,
+      config=SparseMLADecodeConfig(num_splits=splits),
+  )
+
+
+def _check(out, lse, ref_out, ref_lse):
+  out = np.asarray(out, np.float32)
+  ref_out = np.asarray(ref_out, np.float32)
+  assert np.isfinite(out).all()
+  err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+  assert err < 1e-2, err
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "heads, mode, splits, dup",
+    [
+        (16, "select", 1, False),
+        (64, "multiply", 2, True),
+        (128, "select", 1, True),
+    ],
+)
+def test_matches_reference(heads, mode, splits, dup):
+  q, cache, idx = _inputs(heads, 2, heads, 64, dup=dup, dead_rows=(1,) if heads == 16 else ())
+  out, lse = _run(q, cache, idx, mode, splits)
+  assert out.shape == (2, heads, 512) and out.dtype == q.dtype
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  if heads == 16:  # the all-invalid row
+    assert (np.asarray(out[1], np.float32) == 0).all()
+    assert (np.asarray(lse[1]) == -np.inf).all()
+  live = np.isfinite(np.asarray(ref_lse)).all(axis=1)
+  _check(out[live], lse[live], ref_out[live], ref_lse[live])
+
+
+def test_nan_poisoning():
+  """NaN in slot 0 and in every slot no row indexes."""
+  q, cache, idx = _inputs(7, 4, 16, 64, invalid=0.0, dead_rows=(3,))
+  idx = idx.at[1, 5].set(-1).at[2, ::3].set(-1)  # rows 1, 2 hold a -1; row 0 none
+  used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
+  used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
+  used[0] = False
+  rows = cache.reshape(-1, 576)
+  poisoned = jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
+  clean_out, clean_lse = _run(q, cache, idx, "select")
+  out, lse = _run(q, poisoned, idx, "select")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
+  _check(out[:3], lse[:3], ref_out[:3], ref_lse[:3])
+
+  out, lse = _run(q, poisoned, idx, "multiply", splits=2)
+  nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
+  np.testing.assert_array_equal(nan_rows, [False, True, True, False])
+  assert np.isfinite(np.asarray(out[0], np.float32)).all()
+  assert (np.asarray(out[3], np.float32) == 0).all()  # no valid index at all
+
+  zeroed = poisoned.at[0, 0].set(0)
+  out, lse = _run(q, zeroed, idx, "multiply")
+  ref_out, ref_lse = sparse_mla_decode_reference(q, zeroed, idx, sm_scale=SCALE, mask_mode="multiply")
+  _check(out[:3], lse[:3], ref_out[:3], ref_lse[:3])
+
+
+def test_inside_jit_with_traced_indices():
+  q, cache, idx = _inputs(3, 1, 16, 64)
+  f = jax.jit(lambda q, c, i: _run(q, c, i, "select", 2))
+  out, lse = f(q, cache, idx)
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
+  _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (lambda q, c, i: (q[..., :512], c, i), "q.shape"),
+        (lambda q, c, i: (q, c.astype(jnp.float32), i), "cache.shape"),
+        (lambda q, c, i: (q, c, i[:, :32]), "indices.shape"),
+        (lambda q, c, i: (q, c, i.astype(jnp.int16)), "indices.shape"),
+        (lambda q, c, i: (q, c, i[:1]), "indices.shape"),
+        (lambda q, c, i: (jnp.zeros((2, 129, 576), jnp.bfloat16), c, i), "q.shape"),
+    ],
+)
+def test_bad_inputs(change, name):
+  q, cache, idx = _inputs(0, 2, 16, 64)
+  with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+    sparse_mla_decode(*change(q, cache, idx), sm_scale=SCALE)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"dv": 256}, "dv"), ({"mask_mode": "zero"}, "mask_mode"),
+     ({"config": SparseMLADecodeConfig(num_splits=4)}, "num_splits")],
+)
+def test_bad_options(kwargs, name):
+  q, cache, idx = _inputs(0, 2, 16, 64)
+  with pytest.raises(ValueError, match=name):
+    sparse_mla_decode(q, cache, idx, sm_scale=SCALE, **kwargs)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="num_splits"):
+    SparseMLADecodeConfig(num_splits=0)
+  with pytest.raises(ValueError, match="implementation"):
+    SparseMLADecodeConfig(implementation="triton")
+
+
+@pytest.mark.parametrize("mode", ["select", "multiply"])
+def test_compiled_default_runs_the_xla_path(mode):
+  """A compiled call (interpret=False) runs config.implementation, "xla" by default."""
+  q, cache, idx = _inputs(5, 3, 16, 64, dead_rows=(2,))
+  poisoned = cache.at[0, 0].set(jnp.nan)
+  out, lse = sparse_mla_decode(q, poisoned, idx, sm_scale=SCALE, mask_mode=mode, interpret=False)
+  ref_out, ref_lse = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode=mode)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+  has_pad = np.asarray((idx < 0).any(axis=1) & (idx >= 0).any(axis=1))
+  nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
+  np.testing.assert_array_equal(nan_rows, has_pad if mode == "multiply" else np.zeros_like(has_pad))
