@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Shaped
 
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
 from jaxkv.kernels._common import resolve_interpret
+from jaxkv.kernels.mla_decode.combine import combine_splits
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
@@ -144,17 +145,5 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
   if num_splits == 1:
     o, lse = o[:, 0], lse[:, 0]
     return jnp.where((lse > -jnp.inf)[..., None], o, 0.0).astype(q.dtype), lse
-  return merge_splits(o, lse, q.dtype)
-
-
-def merge_splits(o, lse, dtype):
-  """Merges normalised split results `[b, s, h, d]` by their LSE `[b, s, h]`."""
-  top = jnp.max(lse, axis=1)  # [b, h]
-  has = top > -jnp.inf
-  top_safe = jnp.where(has, top, 0.0)
-  w = jnp.exp(lse - top_safe[:, None, :])  # 0 for empty splits
-  tot = jnp.sum(w, axis=1)
-  out = jnp.einsum("bsh,bshd->bhd", w, o) / jnp.where(has, tot, 1.0)[..., None]
-  out = jnp.where(has[..., None], out, 0.0)
-  lse_out = jnp.where(has, top_safe + jnp.log(jnp.where(has, tot, 1.0)), -jnp.inf)
-  return out.astype(dtype), lse_out
+  out, lse = combine_splits(o, lse)
+  return out.astype(q.dtype), lse
