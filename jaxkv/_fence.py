@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ._pool_call import transition
-from ._pool_queue import push_freed
+from ._pool_queue import shifted, push_freed
 from ._pool_spec import PoolSpec
 from ._pool_state import PoolState
 
@@ -65,14 +65,13 @@ def mark_processed(spec: PoolSpec, state: PoolState, step: Int[Array, ""], *, ch
   events = jnp.where(due, state.parked, -1)
   queue, num_free = push_freed(state.free_queue, state.num_free, events, state.hashed)
   fence = state.block_fence.at[jnp.where(due, state.parked, n)].set(-1, mode="drop")
-  src = jnp.minimum(idx + k, n - 1)
-  keep = idx + k < state.num_parked
+  left = state.num_parked - k
   return state.replace(
       free_queue=queue,
       num_free=num_free,
       block_fence=fence,
-      parked=jnp.where(keep, state.parked[src], -1),
-      parked_step=jnp.where(keep, state.parked_step[src], -1),
+      parked=shifted(state.parked, -k, 0, left),
+      parked_step=shifted(state.parked_step, -k, 0, left),
       num_parked=state.num_parked - k,
       processed=jnp.where(good, jnp.maximum(state.processed, step), state.processed),
   ), k

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, UInt32
 
@@ -167,6 +168,9 @@ def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *,
   j = jnp.arange(mh)[None, :]
   if spec.enable_prefix_caching:
     found, cand = _prefix.lookup(state, block_hashes, spec.hash_table_size)
+    # Later in-place updates of the fences wait for the lookup's read of them.
+    found, fence = jax.lax.optimization_barrier((found, state.block_fence))
+    state = state.replace(block_fence=fence)
     # At least the last prompt token is always computed, as in vLLM.
     cap = jnp.maximum(prompt_lens - 1, 0) // bs
     found = found & (j < cap[:, None]) & valid[:, None]
@@ -208,6 +212,9 @@ def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *,
     # Register the new full prompt blocks that no load fills (loaded blocks never are).
     reg = ok[:, None] & (j >= zero_from[:, None]) & (j < nf[:, None])
     blocks = jnp.where(reg, state.block_table[sid[:, None], j], -1).reshape(-1)
+    # Later in-place updates of the table wait for this read (else XLA copies the table).
+    blocks, table = jax.lax.optimization_barrier((blocks, state.block_table))
+    state = state.replace(block_table=table)
     state = _prefix.register(state, blocks, block_hashes.reshape(-1, 2), spec.hash_table_size)
   rows = jnp.where(ok, sid, spec.max_seqs)
   state = state.replace(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ._pool_call import check_request_array, ceil_div, first_bad, seq_requests, transition
-from ._pool_queue import prefix_sum, push_freed
+from ._pool_queue import event_ranks, push_freed
 from ._pool_spec import PoolSpec
 from ._pool_state import PoolState
 from ._types import BATCH
@@ -20,19 +21,21 @@ def release(spec: PoolSpec, state: PoolState, events: Any) -> PoolState:
   With `defer_block_free`, while the current step is not processed, they are
   parked behind its fence; otherwise they go straight into the free queue.
   """
+  ranks = event_ranks(events, state.hashed)  # shared by parking and pushing
+  enabled = True
   if spec.defer_block_free:
     # Only a step that has started and is not processed yet can still write them.
     fenced = state.step > state.processed
     valid = (events > 0) & fenced
-    pos = jnp.where(valid, state.num_parked + prefix_sum(valid.astype(jnp.int32)) - 1, spec.num_blocks)
+    pos = jnp.where(valid, state.num_parked + ranks[1][:, 0] + ranks[1][:, 1] - 1, spec.num_blocks)
     state = state.replace(
         parked=state.parked.at[pos].set(events, mode="drop"),
         parked_step=state.parked_step.at[pos].set(state.step, mode="drop"),
         num_parked=state.num_parked + jnp.sum(valid.astype(jnp.int32)),
         block_fence=state.block_fence.at[jnp.where(valid, events, spec.num_blocks)].set(state.step, mode="drop"),
     )
-    events = jnp.where(fenced, -1, events)
-  queue, num_free = push_freed(state.free_queue, state.num_free, events, state.hashed)
+    enabled = ~fenced
+  queue, num_free = push_freed(state.free_queue, state.num_free, events, state.hashed, ranks, enabled)
   return state.replace(free_queue=queue, num_free=num_free)
 
 
@@ -54,6 +57,8 @@ def _free_body(spec: PoolSpec, state: PoolState, seq_ids: Any, *, checks: Any) -
   col = jnp.clip(nb[:, None] - 1 - k, 0, m - 1)
   live = k < nb[:, None]
   blocks = jnp.where(live, state.block_table[sid[:, None], col], -1)
+  # The table's in-place update below waits for this read (else XLA copies the table).
+  blocks, table = jax.lax.optimization_barrier((blocks, state.block_table))
   # Ref counts after every listed reference is dropped; below 0 means a block
   # is listed more often than it is held (double free). The scatters touch
   # only the listed blocks and update the counts in place.
@@ -75,11 +80,12 @@ def _free_body(spec: PoolSpec, state: PoolState, seq_ids: Any, *, checks: Any) -
   target = jnp.where(zero, blocks, n)
   ref = ref.at[target].min(-1 - flat, mode="drop")
   events = jnp.where(zero & (ref[safe] == -1 - flat), blocks, -1).reshape(-1)
+  events, ref = jax.lax.optimization_barrier((events, ref))  # read before the in-place restore
   ref = ref.at[target].set(0, mode="drop")
   rows = jnp.where(ok, sid, spec.max_seqs)
   state = state.replace(
       ref_count=ref,
-      block_table=state.block_table.at[rows].set(0, mode="drop"),
+      block_table=table.at[rows].set(0, mode="drop"),
       num_tokens=state.num_tokens.at[rows].set(0, mode="drop"),
       active=state.active.at[rows].set(False, mode="drop"),
       loading=state.loading.at[rows].set(False, mode="drop"),

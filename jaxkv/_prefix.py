@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, UInt32
 
+from ._pool_queue import prefix_sum
 from ._types import BATCH, MAX_BLOCKS, TOKENS
 
 _SEEDS = (0x9E3779B9, 0x85EBCA6B)
@@ -89,7 +90,9 @@ def hash_prompt_blocks(
     d = _fmix(d ^ np.uint32(block_size))  # [b, m, 2] per-block digests
     fwd, bwd = zip(*(_powers(radix, m) for radix in _RADIX))
     fwd, bwd = np.stack(fwd, axis=-1), np.stack(bwd, axis=-1)  # [m, 2]
-    prefix = jnp.cumsum(d * bwd[None], axis=1, dtype=jnp.uint32) * fwd[None]
+    # Running sum over blocks (mod 2**32) as masked sums: a cumsum is a
+    # reduce-window tree, several slow kernels.
+    prefix = jnp.moveaxis(prefix_sum(jnp.moveaxis(d * bwd[None], 1, 0)), 0, 1) * fwd[None]
     return _fmix(prefix + seed[0])
 
 
@@ -128,11 +131,14 @@ def register(state: Any, blocks: Any, hashes: Any, table_size: int) -> Any:
   n = state.hashed.shape[0]
   slot = table_slot(hashes, table_size)
   empty = (blocks > 0) & (state.hash_table[slot] < 0)
-  winner = jnp.full((table_size,), n, jnp.int32).at[jnp.where(empty, slot, table_size)].min(
-      blocks, mode="drop"
-  )
-  win = empty & (winner[slot] == blocks)
-  table = state.hash_table.at[jnp.where(win, slot, table_size)].set(blocks, mode="drop")
+  # Each empty slot (-1) picks its smallest new block with a scatter-min of
+  # `block - n - 1` (< -1) into the table itself, then holds the winner. The
+  # barriers order each read before the next in-place update (no table copy).
+  empty, table = jax.lax.optimization_barrier((empty, state.hash_table))
+  table = table.at[jnp.where(empty, slot, table_size)].min(blocks - n - 1, mode="drop")
+  win = empty & (table[slot] == blocks - n - 1)
+  win, table = jax.lax.optimization_barrier((win, table))
+  table = table.at[jnp.where(win, slot, table_size)].set(blocks, mode="drop")
   target = jnp.where(win, blocks, n)
   return state.replace(
       hash_table=table,
