@@ -58,22 +58,39 @@ def mla_decode_reference(
     pos = jnp.arange(span, dtype=jnp.int32)[None, :]
     valid = pos < seq[:, None]  # [batch, span]
     read = pos < ((seq + block_size - 1) // block_size * block_size)[:, None]
-    s = jnp.einsum(
-        "bhd,btd->bht", q, kv, preferred_element_type=jnp.float32
-    ) * jnp.float32(sm_scale)
-    s = jnp.where(valid[:, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)  # exactly 0 on masked slots
-    l = jnp.sum(p, axis=-1)
     keep = valid if mask_mode == "select" else read
     # Slots the kernel never reads cannot poison it in either mode.
-    v = jnp.where(keep[:, :, None], kv[..., :dv], jnp.zeros((), kv.dtype))
-    o = jnp.einsum(
-        "bht,btd->bhd", p, v.astype(jnp.float32),
-        preferred_element_type=jnp.float32,
-    )
-    has = l > 0.0
-    o = jnp.where(has[..., None], o / jnp.where(has, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(has, m[..., 0] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    return o.astype(q.dtype), lse
+    return attention_reference(q, kv, valid, keep, sm_scale=sm_scale, dv=dv)
+
+
+def attention_reference(q, kv, valid, keep, *, sm_scale: float, dv: int):
+  """Absorbed MLA attention of each row over its gathered latents, float32 accumulation.
+
+  The shared core of the dense and sparse references.
+
+  Args:
+    q: `[batch, heads, 576]`.
+    kv: `[batch, slots, 576]` the latents each row may read.
+    valid: `[batch, slots]` bool: slots whose scores count (others get p = 0).
+    keep: `[batch, slots]` bool: slots whose value rows are accumulated (as
+      `p * v`, so a NaN in a kept, invalid slot poisons the row: "multiply");
+      the others are replaced by zeros ("select" keeps exactly the valid ones).
+    sm_scale: scale of the logits.
+    dv: value channels (the first `dv` of each latent).
+
+  Returns:
+    `out` `[batch, heads, dv]` in q's dtype and `lse` `[batch, heads]` float32
+    (`out` 0 and `lse` -inf for a row without a valid slot).
+  """
+  s = jnp.einsum("bhd,btd->bht", q, kv, preferred_element_type=jnp.float32) * jnp.float32(sm_scale)
+  s = jnp.where(valid[:, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)  # exactly 0 on masked slots
+  l = jnp.sum(p, axis=-1)
+  v = jnp.where(keep[:, :, None], kv[..., :dv], jnp.zeros((), kv.dtype))
+  o = jnp.einsum("bht,btd->bhd", p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+  has = l > 0.0
+  o = jnp.where(has[..., None], o / jnp.where(has, l, 1.0)[..., None], 0.0)
+  lse = jnp.where(has, m[..., 0] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+  return o.astype(q.dtype), lse

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxkv.kernels.mla_decode.reference import attention_reference
 from jaxkv._types import BATCH, HEADS, TOPK, Lse, MLACache, MLAQuery
 
 MASK_MODES = ("select", "multiply")
@@ -52,22 +53,6 @@ def sparse_mla_decode_reference(
     rows = cache.reshape(-1, cache.shape[-1])
     valid = indices >= 0  # [batch, topk]
     kv = rows[jnp.maximum(indices, 0)]  # [batch, topk, 576]
-    s = jnp.einsum(
-        "bhd,btd->bht", q, kv, preferred_element_type=jnp.float32
-    ) * jnp.float32(sm_scale)
-    s = jnp.where(valid[:, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)  # exactly 0 on invalid entries
-    l = jnp.sum(p, axis=-1)
-    v = kv[..., :dv]
-    if mask_mode == "select":
-      v = jnp.where(valid[:, :, None], v, jnp.zeros((), kv.dtype))
-    o = jnp.einsum(
-        "bht,btd->bhd", p, v.astype(jnp.float32),
-        preferred_element_type=jnp.float32,
-    )
-    has = l > 0.0
-    o = jnp.where(has[..., None], o / jnp.where(has, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(has, m[..., 0] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
-    return o.astype(q.dtype), lse
+    # "multiply" accumulates every gathered row, clamped -1s included.
+    keep = valid if mask_mode == "select" else jnp.ones_like(valid)
+    return attention_reference(q, kv, valid, keep, sm_scale=sm_scale, dv=dv)
