@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, UInt32
 
 from . import _prefix
-from ._pool_call import ceil_div, check_request_array, first_bad, seq_requests, transition
+from ._pool_call import ceil_div, check_request_array, seq_requests, transition
 from ._pool_queue import prefix_sum, take_front
 from ._pool_spec import PoolSpec
 from ._pool_state import PoolState
@@ -74,13 +74,11 @@ def _grow_body(spec, state, seq_ids, num_new_tokens, *, checks, max_new_tokens=N
   t = state.num_tokens[sid]
   fits = (num_new_tokens >= 0) & (num_new_tokens <= jnp.minimum(max_new_tokens, spec.max_tokens_per_seq - t))
   valid = unique & state.active[sid] & fits
-  bad = ~pad & ~valid
-  i = first_bad(bad)
-  checks.require(
-      ~jnp.any(bad),
+  checks.require_requests(
+      pad, valid,
       "grow: seq_ids[{i}]={s} is out of range, duplicated or inactive, or num_new_tokens[{i}]={k}"
       " is negative, above max_new_tokens or grows the sequence past max_blocks_per_seq",
-      i=i, s=seq_ids[i], k=num_new_tokens[i],
+      s=seq_ids, k=num_new_tokens,
   )
   old_nb = ceil_div(t, bs)
   need = jnp.where(valid, ceil_div(t + num_new_tokens, bs) - old_nb, 0)
@@ -155,13 +153,11 @@ def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *,
   fits = (prompt_lens >= 0) & (prompt_lens <= spec.max_tokens_per_seq)
   load_fits = (load_tokens >= 0) & (load_tokens <= prompt_lens)
   valid = unique & ~state.active[sid] & fits & load_fits
-  bad = ~pad & ~valid
-  i = first_bad(bad)
-  checks.require(
-      ~jnp.any(bad),
+  checks.require_requests(
+      pad, valid,
       "admit: seq_ids[{i}]={s} is out of range, duplicated or already active, or prompt_lens[{i}]={p}"
       " is negative or past max_blocks_per_seq, or load_tokens[{i}]={l} is outside [0, prompt_len]",
-      i=i, s=seq_ids[i], p=prompt_lens[i], l=load_tokens[i],
+      s=seq_ids, p=prompt_lens, l=load_tokens,
   )
   nb = ceil_div(prompt_lens, bs)
   nf = prompt_lens // bs

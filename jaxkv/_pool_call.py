@@ -36,6 +36,16 @@ class Checks:
     if self.debug:
       checkify.check(ok, msg, **fmt)
 
+  def require_requests(self, pad: Any, valid: Any, msg: str, **per_request: Any) -> None:
+    """Requires every non-padding request to be valid.
+
+    `msg` names the first bad request: `{i}` is its index and every keyword
+    (a `[batch]` array) is formatted at that index.
+    """
+    bad = ~pad & ~valid
+    i = first_bad(bad)
+    self.require(~jnp.any(bad), msg, i=i, **{k: v[i] for k, v in per_request.items()})
+
 
 def first_bad(bad: Any) -> Any:
   """Index of the first True of a 1-D mask (0 if none), for error messages."""

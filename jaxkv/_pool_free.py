@@ -47,10 +47,9 @@ def _free_body(spec: PoolSpec, state: PoolState, seq_ids: Any, *, checks: Any) -
   b = seq_ids.shape[0]
   pad, sid, unique = seq_requests(spec, state, seq_ids)
   valid = unique & state.active[sid]
-  bad = ~pad & ~valid
-  i = first_bad(bad)
-  checks.require(~jnp.any(bad), "free: seq_ids[{i}]={s} is out of range, duplicated or not an active sequence",
-                 i=i, s=seq_ids[i])
+  checks.require_requests(
+      pad, valid, "free: seq_ids[{i}]={s} is out of range, duplicated or not an active sequence", s=seq_ids
+  )
   nb = jnp.where(valid, ceil_div(state.num_tokens[sid], bs), 0)
   # Row r lists its blocks last first: a sequence frees its tail before its head.
   k = jnp.arange(m)[None, :]

@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from ._pool_call import ceil_div, check_request_array, cum_ok, first_bad, seq_requests, transition
+from ._pool_call import ceil_div, check_request_array, cum_ok, seq_requests, transition
 from ._pool_queue import append
 from ._pool_spec import PoolSpec
 from ._pool_state import PoolState
@@ -57,13 +57,11 @@ def complete_loads(
   start, end = state.load_start[sid], state.load_end[sid]
   in_range = (num_valid_tokens >= 0) & (num_valid_tokens <= end - start)
   valid = unique & state.active[sid] & state.loading[sid] & in_range
-  bad = ~pad & ~valid
-  i = first_bad(bad)
-  checks.require(
-      ~jnp.any(bad),
+  checks.require_requests(
+      pad, valid,
       "complete_loads: seq_ids[{i}]={s} has no pending load or is repeated, or"
       " num_valid_tokens[{i}]={v} is outside [0, load size]",
-      i=i, s=seq_ids[i], v=num_valid_tokens[i],
+      s=seq_ids, v=num_valid_tokens,
   )
   stop = start + num_valid_tokens
   failed = stop < end
