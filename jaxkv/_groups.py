@@ -53,13 +53,11 @@ class HybridPoolSpec:
     layers = [l for g in self.groups for l in g.layer_names]
     if len(set(layers)) != len(layers):
       raise ValueError("a layer belongs to more than one group")
-    sizes = {g.spec.block_size for g in self.groups}
-    if len(sizes) != 1 and len(self.groups) > 1:
-      # Blocks are shared ids: every group must cover the same tokens per block
-      # unless it holds recurrent state, which ignores the slot count.
-      attn = {g.spec.block_size for g in self.groups if not is_recurrent(g.spec)}
-      if len(attn) > 1:
-        raise ValueError(f"attention groups must share one block_size, got {sorted(attn)}")
+    # Blocks are shared ids: every group must cover the same tokens per block
+    # unless it holds recurrent state, which ignores the slot count.
+    attn = {g.spec.block_size for g in self.groups if not is_recurrent(g.spec)}
+    if len(attn) > 1:
+      raise ValueError(f"attention groups must share one block_size, got {sorted(attn)}")
 
   @property
   def page_size_bytes(self) -> int:

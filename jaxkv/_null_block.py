@@ -48,7 +48,7 @@ def reset_null_block(cache, *, layout: str = "BNC", block_size: int | None = Non
 def assert_null_block_clean(cache, *, layout: str = "BNC", block_size: int | None = None) -> None:
   """Raises AssertionError unless every byte of block 0 is zero (NumPy, for tests and audits)."""
   block0 = np.asarray(jax.device_get(cache))[_block0_slices(cache.shape, layout, block_size)]
-  raw = block0.view(np.uint8) if block0.dtype.itemsize == 1 else block0.view(f"u{block0.dtype.itemsize}")
+  raw = block0.view(f"u{block0.dtype.itemsize}")
   nonzero = np.count_nonzero(raw)
   if nonzero:
     raise AssertionError(f"the null block holds {nonzero} non-zero elements of {raw.size} ({layout=})")
