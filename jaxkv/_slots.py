@@ -35,11 +35,11 @@ def slots_from_block_table(
   """
   if block_size <= 0:
     raise ValueError(f"{block_size=} must be positive")
-  max_blocks = block_table.shape[1]
-  index = positions // block_size
-  inside = (positions >= 0) & (index < max_blocks)
-  block = jnp.take_along_axis(block_table, jnp.clip(index, 0, max_blocks - 1)[:, None], axis=1)[:, 0]
-  slot = block * block_size + positions % block_size
-  keep = inside & (block > 0) if skip_null_block else inside
   with jax.named_scope("jaxkv.slots_from_block_table"):
+    max_blocks = block_table.shape[1]
+    index = positions // block_size
+    inside = (positions >= 0) & (index < max_blocks)
+    block = jnp.take_along_axis(block_table, jnp.clip(index, 0, max_blocks - 1)[:, None], axis=1)[:, 0]
+    slot = block * block_size + positions % block_size
+    keep = inside & (block > 0) if skip_null_block else inside
     return jnp.where(keep, slot, -1).astype(jnp.int32)
