@@ -11,6 +11,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -24,6 +25,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
+from jaxkv.kernels.sparse_mla_decode.config import default_config
 
 NUM_BLOCKS, BLOCK_SIZE, TOPK = 8192, 64, 2048  # a 604 MB cache, far past L2
 SCALE = 576**-0.5
@@ -52,6 +54,14 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _pallas_config(splits, batch, heads):
+  """The kernel (not the XLA path) with `splits`, or the default split count if 0."""
+  if splits:
+    return SparseMLADecodeConfig(num_splits=splits, implementation="pallas")
+  config = default_config(batch=batch, num_heads=heads, topk=TOPK)
+  return dataclasses.replace(config, implementation="pallas")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
@@ -64,7 +74,7 @@ def main(argv=None) -> int:
   ok = True
   for batch, heads, invalid in shapes:
     q, cache, idx = _inputs(batch, heads, invalid)
-    cfg = SparseMLADecodeConfig(num_splits=args.splits) if args.splits else None
+    cfg = _pallas_config(args.splits, batch, heads)
     n_valid = int((idx >= 0).sum())
     kv_bytes = n_valid * 576 * 2
     io_bytes = q.size * 2 + batch * heads * 512 * 2
@@ -96,7 +106,8 @@ def main(argv=None) -> int:
   used = jnp.zeros(NUM_BLOCKS * BLOCK_SIZE, bool).at[jnp.maximum(idx, 0)].set(True)
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
-  f = lambda c, m: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m)
+  cfg = _pallas_config(args.splits, 16, 64)
+  f = lambda c, m: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
   clean, _ = f(cache, "select")
   sel, _ = f(poisoned, "select")
   mul, _ = f(poisoned, "multiply")

@@ -68,6 +68,15 @@ def test_matches_reference(heads, mode, splits, dup):
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
 
+@pytest.mark.parametrize("mode", ["select", "multiply"])
+def test_long_index_list(mode):
+  """Eight tiles of indices in one split: the producer's index ring wraps around."""
+  q, cache, idx = _inputs(11, 1, 16, 256, invalid=0.2 if mode == "select" else 0.0)
+  out, lse = _run(q, cache, idx, mode)
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  _check(out, lse, ref_out, ref_lse)
+
+
 def test_nan_poisoning():
   """NaN in slot 0 and in every slot no row indexes."""
   q, cache, idx = _inputs(7, 4, 16, 64, invalid=0.0, dead_rows=(3,))
@@ -140,11 +149,15 @@ def test_config_validation():
 
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])
-def test_compiled_default_runs_the_xla_path(mode):
-  """A compiled call (interpret=False) runs config.implementation, "xla" by default."""
+def test_compiled_xla_implementation(mode):
+  """A compiled call (interpret=False) runs config.implementation: here "xla"."""
+  assert SparseMLADecodeConfig().implementation == "pallas"
   q, cache, idx = _inputs(5, 3, 16, 64, dead_rows=(2,))
   poisoned = cache.at[0, 0].set(jnp.nan)
-  out, lse = sparse_mla_decode(q, poisoned, idx, sm_scale=SCALE, mask_mode=mode, interpret=False)
+  config = SparseMLADecodeConfig(implementation="xla")
+  out, lse = sparse_mla_decode(
+      q, poisoned, idx, sm_scale=SCALE, mask_mode=mode, interpret=False, config=config
+  )
   ref_out, ref_lse = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode=mode)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))

@@ -50,6 +50,7 @@ NUM_CHUNKS = HEAD_DIM // CHUNK
 HALF = 256  # value channels per consumer warpgroup
 TILE = 32  # tokens per pipeline step (SMEM: Q + 2 raw + 2 swizzled tiles)
 NUM_STAGES = 2
+IDX_STAGES = 4  # index tiles in flight ahead of the gathers
 GATHER_UNROLL = 8
 # setmaxnreg only moves registers inside the launch allocation (168 per
 # thread for 384 threads): 2 * CONSUMER_REGS + PRODUCER_REGS <= 3 * 168, or
@@ -98,12 +99,17 @@ def build_kernel(
     head0 = g * HEAD_TILE
     tok0 = s_idx * (num_tiles * TILE)
 
-    def scoped(union_ref, q_bar, raw_bar, ready_bar, free_bar, done_bar):
+    def scoped(
+        idx_smem, union_ref, q_bar, idx_bar, raw_bar, ready_bar, free_bar, done_bar
+    ):
+      # idx_smem [IDX_STAGES, TILE] int32: the producer's index ring.
       main_refs, epi_refs = union_ref
-      q_lat, q_rope, raw, k_lat, k_rope, p_smem = main_refs
+      q_lat, q_rope, raw, k_lat, k_rope, *interp_refs = main_refs
+      p_smem = interp_refs[0] if interp_refs else None
       # q_lat [2, 64, 256] bf16, q_rope [64, 64] bf16, raw [stages, TILE, 9, 64]
       # bf16 (row-major), k_lat [stages, 2, TILE, 256] bf16, k_rope [stages,
-      # TILE, 64] bf16, p_smem [2, 64, TILE] bf16 (one per consumer).
+      # TILE, 64] bf16; interpreter only: p_smem [2, 64, TILE] bf16 (one
+      # per consumer; compiled, P stays in registers).
       o_stage, lse_stage = epi_refs
       # o_stage [2, 64, 256] f32, lse_stage [64] f32.
       wg = lax.axis_index("wg")
@@ -111,6 +117,15 @@ def build_kernel(
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        # Finite bytes in every raw row before the first gather. "select"
+        # needs them (a skipped row keeps what the tile held); "multiply" gave
+        # wrong results on the H200 without this store-and-commit ahead of its
+        # first gather (correct with it, and always correct in the interpreter).
+        zeros = jnp.zeros((TILE, CHUNK), dtype)
+        for st in range(NUM_STAGES):
+          for c in range(NUM_CHUNKS):
+            raw[st, :, c, :] = zeros
+        plgpu.commit_smem()
         heads = pl.ds(head0, HEAD_TILE)
         for h in range(2):
           plgpu.copy_gmem_to_smem(
@@ -119,24 +134,38 @@ def build_kernel(
         plgpu.copy_gmem_to_smem(
             q_ref.at[b, heads, pl.ds(LATENT, ROPE)], q_rope, q_bar
         )
-        if select:
-          # Skipped rows keep what the raw tile held: make that finite.
-          zeros = jnp.zeros((TILE, CHUNK), dtype)
-          for st in range(NUM_STAGES):
-            for c in range(NUM_CHUNKS):
-              raw[st, :, c, :] = zeros
-          plgpu.commit_smem()
+
+        def fetch_indices(tile):
+          # One small TMA copy per tile, IDX_STAGES tiles ahead of its
+          # gathers: the gathers then read their indices from SMEM (tens of
+          # cycles) instead of one dependent GMEM load each.
+          slot = lax.rem(tile, IDX_STAGES)
+          plgpu.copy_gmem_to_smem(
+              idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)],
+              idx_smem.at[slot],
+              idx_bar.at[slot],
+          )
+
+        for t in range(min(IDX_STAGES, num_tiles)):
+          fetch_indices(t)
 
         def gather(tile, stage):
-          # Groups of GATHER_UNROLL rows: enough index loads in flight at once,
-          # without the whole tile's indices live in the producer's registers.
+          slot = lax.rem(tile, IDX_STAGES)
+          plgpu.barrier_wait(idx_bar.at[slot])
+
           @pl.loop(0, TILE // GATHER_UNROLL)
           def _(grp):
             for u in range(GATHER_UNROLL):
-              gather_row(tile, stage, grp * GATHER_UNROLL + u)
+              r = grp * GATHER_UNROLL + u
+              gather_row(idx_smem[slot, r], stage, r)
 
-        def gather_row(tile, stage, r):
-          idx = idx_ref[b, tok0 + tile * TILE + r]
+          @pl.when(tile + IDX_STAGES < num_tiles)
+          def _():
+            # The copy's own warpgroup barrier orders every thread's reads
+            # of this slot before it is overwritten.
+            fetch_indices(tile + IDX_STAGES)
+
+        def gather_row(idx, stage, r):
           dst = raw.at[stage, pl.ds(r, 1)]
           bar = raw_bar.at[stage]
           if select:
@@ -233,18 +262,22 @@ def build_kernel(
           p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
           l_i = l_i * alpha + p.sum(axis=1)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          p_smem[wg] = p.astype(dtype)
-          plgpu.commit_smem()
-
-          def pv(o_acc_ref):
-            plgpu.wgmma(o_acc_ref, p_smem.at[wg], k_lat.at[stage, wg])
+          p16 = p.astype(dtype)
 
           if interpret is None:
+            # P is wgmma's A operand straight from registers.
+            def pv(o_acc_ref):
+              plgpu.wgmma(o_acc_ref, p16, k_lat.at[stage, wg])
+
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
           else:
-            # The interpreter cannot seed an accumulator from a value.
+            # The interpreter takes neither a register operand nor a seeded
+            # accumulator here: P goes through SMEM, the sum is explicit.
+            p_smem[wg] = p16
+            plgpu.commit_smem()
+
             def pv_fresh(o_acc_ref):
-              pv(o_acc_ref)
+              plgpu.wgmma(o_acc_ref, p_smem.at[wg], k_lat.at[stage, wg])
               return o_acc_ref[...]
 
             acc = acc + pl.run_scoped(
@@ -299,7 +332,9 @@ def build_kernel(
         plgpu.SMEM((NUM_STAGES, TILE, NUM_CHUNKS, CHUNK), dtype),
         plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
-        plgpu.SMEM((2, HEAD_TILE, TILE), dtype, transforms=bf16),
+        *([] if interpret is None else [
+            plgpu.SMEM((2, HEAD_TILE, TILE), dtype, transforms=bf16)
+        ]),
     )
     epi = (
         plgpu.SMEM((2, HEAD_TILE, HALF), jnp.float32, transforms=f32),
@@ -307,8 +342,10 @@ def build_kernel(
     )
     pl.run_scoped(
         scoped,
+        plgpu.SMEM((IDX_STAGES, TILE), jnp.int32),
         plgpu.RefUnion(main, epi),
         plgpu.Barrier(num_arrivals=3),
+        plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
         plgpu.Barrier(num_arrivals=TILE, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=1, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),

@@ -53,7 +53,7 @@ def sparse_mla_decode(
     mask_mode: "select" (NaN-safe) or "multiply" (like production kernels).
     config: launch parameters; default the tuned config of this device kind.
     interpret: see `jaxkv.kernels._common.resolve_interpret`. A compiled
-      call runs `config.implementation` ("xla" by default, see
+      call runs `config.implementation` (the Pallas kernel by default, see
       `SparseMLADecodeConfig`); an interpreted one runs the Pallas kernel.
 
   Returns:
