@@ -3,15 +3,19 @@
 Three warpgroups per CTA. Warpgroup 2 is the TMA producer: it loads the
 64-head query tile once and streams the split's KV blocks (one 64x576 block
 per step, three TMA copies of 256 + 256 + 64 channels) through a two-stage
-ring indexed by the block table. Warpgroups 0 and 1 consume: each computes the
-same scores S = Q K^T ([64, 64], 576 deep) and online softmax in registers,
-and accumulates its own half of the 512 value channels, O[:, 256w:256w+256] +=
-P V (a 64x256 f32 accumulator; 64x512 does not fit one warpgroup). Computing S
-twice costs tensor-core time but no SMEM exchange and no barrier between the
-consumers in the steady state (splitting S by slots needs wgmma B operands of
-K = 32 rows, which this Mosaic GPU version rejects for 128-byte swizzled
-tiles). KV bytes are read once. Only the last block of a split can be
-partial: it is peeled out of the loop and alone pays for masking.
+ring indexed by the block table. Warpgroups 0 and 1 consume and split every
+block two ways. Scores by slots: warpgroup w computes S_w = Q K^T for slots
+[32w, 32w + 32) of the block ([64, 32], 576 deep); the two swap their row
+maxima through SMEM, so both rescale by the same running maximum, and each
+writes its 32 columns of P (bf16) into one shared [64, 64] tile. Values by
+channels: warpgroup w accumulates O[:, 256w:256w+256] += P V over all 64 slots
+(a 64x256 f32 accumulator; 64x512 does not fit one warpgroup). Two
+rendezvous per block (maxima, then P); each warpgroup's row sum covers its
+own slots and the two are added at the end. All bf16 tiles are 32 columns
+wide (64-byte swizzle), since wgmma takes A and B under the same transforms
+and P's halves are 32 wide. KV bytes are read once. Only the last block of a
+split can be partial: it is peeled out of the loop and alone pays for
+masking.
 
 The partial result of a split is written normalised, in float32, with its
 natural-log LSE; the wrapper merges splits. A split with no blocks writes
@@ -33,12 +37,15 @@ HEAD_TILE = 64  # wgmma M: heads per CTA
 LATENT = 512
 ROPE = 64
 HALF = 256  # value channels per consumer warpgroup; also the TMA box limit
+SLOT_HALF = 32  # slots of a block whose scores one consumer warpgroup computes
 NUM_STAGES = 2
 _LOG2E = math.log2(math.e)
 
 
 def _bf16_tile():
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  # 32-column (64-byte swizzled) tiles: wgmma takes A and B under the same
+  # transforms, and P and each warpgroup's score slice are 32 slots wide.
+  return (plgpu.TilingTransform((8, SLOT_HALF)), plgpu.SwizzleTransform(2 * SLOT_HALF))
 
 
 def build_kernel(
@@ -83,13 +90,16 @@ def build_kernel(
     seq_len = seq_lens_ref[b]
     head0 = g * HEAD_TILE
 
-    def scoped(union_ref, q_bar, kv_bar, free_bar, sync_bar, q_free_bar):
+    def scoped(union_ref, xchg, q_bar, kv_bar, free_bar, sync_bar, q_free_bar):
+      # xchg [2, 64] f32: each consumer's row maxima (and at the end its row
+      # sums) for the other.
       main_refs, epi_refs = union_ref
-      q_lat, k_lat, k_rope, *interp_refs = main_refs
-      # Interpreter only: q_rope_smem [64, 64] bf16, p_smem [2, 64, 64] bf16.
-      q_rope_smem, p_smem = interp_refs if interp_refs else (None, None)
-      # q_lat [2, 64, 256] bf16, k_lat [stages, 2, 64, 256]
-      # bf16, k_rope [stages, 64, 64] bf16.
+      q_lat, k_lat, k_rope, p_smem, *interp_refs = main_refs
+      # q_lat [2, 64, 256] bf16, k_lat [stages, 2, 64, 256] bf16, k_rope
+      # [stages, 64, 64] bf16, p_smem [64, 64] bf16 (P of the block: each
+      # consumer writes the 32 columns of its slots).
+      # Interpreter only: q_rope_smem [64, 64] bf16.
+      q_rope_smem = interp_refs[0] if interp_refs else None
       (o_stage, lse_stage) = epi_refs
       # o_stage [2, 64, 256] f32, lse_stage [64] f32.
       wg = lax.axis_index("wg")
@@ -156,17 +166,15 @@ def build_kernel(
       def consumer(wg: int):
         # `wg` is static: every SMEM slice below has a compile-time offset.
         plgpu.set_max_registers(232, action="increase")
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
         m_i = plgpu.layout_cast(
-            jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32),
-            plgpu.Layout.WGMMA.reduce(1),
+            jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout
         )
-        l_i = plgpu.layout_cast(
-            jnp.full((HEAD_TILE,), 0.0, jnp.float32),
-            plgpu.Layout.WGMMA.reduce(1),
-        )
+        l_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(
             jnp.full((HEAD_TILE, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA
         )
+        slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
 
         # The RoPE part of the query lives in registers (16 per thread): it
         # keeps the SMEM budget of two KV stages.
@@ -183,6 +191,11 @@ def build_kernel(
         else:
           q_rope = q_rope_smem
 
+        def other_rows():
+          return plgpu.load(
+              xchg.at[1 - wg], layout=row_layout, optimized=False
+          )
+
         def kv_step(step, carry, *, last: bool):
           # `last` is static. Only the last block a split reads can hold
           # slots past seq_len (the bounds are clipped to the row's blocks),
@@ -194,60 +207,61 @@ def build_kernel(
 
           def qk(s_ref):
             for h in range(2):
-              plgpu.wgmma(s_ref, q_lat.at[h], k_lat.at[slot, h].T)
-            plgpu.wgmma(s_ref, q_rope, k_rope.at[slot].T)
+              plgpu.wgmma(s_ref, q_lat.at[h], k_lat.at[slot, h, slots].T)
+            plgpu.wgmma(s_ref, q_rope, k_rope.at[slot, slots].T)
             return s_ref[...]
 
-          # Both warpgroups compute the same scores (the price of splitting
-          # the 512 value channels between them without an SMEM exchange).
-          s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, block_size), jnp.float32))
+          # Scores of our half of the block's slots only: [64, 32].
+          s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
           if last:
             # Slots of this block that hold tokens of the row; the rest (the
             # unwritten tail of the last block) is masked by select in both
             # modes.
             n_valid = seq_len - (start + step) * block_size
             col = plgpu.broadcasted_iota(
-                jnp.int32, (HEAD_TILE, block_size), 1, layout=plgpu.Layout.WGMMA
+                jnp.int32, (HEAD_TILE, SLOT_HALF), 1, layout=plgpu.Layout.WGMMA
             )
-            s = jnp.where(col < n_valid, s * scale_log2, -jnp.inf)
+            s = jnp.where(col + wg * SLOT_HALF < n_valid, s * scale_log2, -jnp.inf)
           else:
             s = s * scale_log2
-          m_new = jnp.maximum(m_i, s.max(axis=1))
+          # Both warpgroups need the block's row maximum: swap halves.
+          m_own = s.max(axis=1)
+          xchg[wg] = m_own
+          sync_consumers()  # also: both QKs of this block are done
+          m_new = jnp.maximum(m_i, jnp.maximum(m_own, other_rows()))
 
           if select and last:
-            # Once both warpgroups are past their QK of this slot, each may
-            # clean the value rows it alone reads: p = 0 alone cannot stop
-            # 0 * NaN from reaching the accumulator.
+            # Each warpgroup cleans the value rows it alone multiplies (its
+            # 256 channels): p = 0 alone cannot stop 0 * NaN from reaching
+            # the accumulator.
             @pl.when(n_valid < block_size)
             def _():
-              sync_consumers()
               v_ref = k_lat.at[slot, wg]
               v = plgpu.load(v_ref, layout=plgpu.Layout.WGMMA)
               row = plgpu.broadcasted_iota(
                   jnp.int32, (block_size, HALF), 0, layout=plgpu.Layout.WGMMA
               )
               v_ref[...] = jnp.where(row < n_valid, v, jnp.zeros_like(v))
-              plgpu.commit_smem()
 
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+          # l_i sums our slots only; the halves are added at the end (both
+          # warpgroups rescale by the same alpha).
           l_i = l_i * alpha + p.sum(axis=1)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          p16 = p.astype(dtype)
+          p_smem[:, slots] = p.astype(dtype)
+          plgpu.commit_smem()
+          sync_consumers()  # both halves of P are in SMEM
 
           if interpret is None:
             def pv(o_acc_ref):
-              plgpu.wgmma(o_acc_ref, p16, k_lat.at[slot, wg])
+              plgpu.wgmma(o_acc_ref, p_smem, k_lat.at[slot, wg])
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
           else:
-            # The interpreter takes neither a register operand nor a seeded
-            # accumulator here: P goes through SMEM, the sum is explicit.
-            p_smem[wg] = p16
-            plgpu.commit_smem()
-
+            # The interpreter cannot seed an accumulator: the sum is explicit.
             def pv_fresh(o_acc_ref):
-              plgpu.wgmma(o_acc_ref, p_smem.at[wg], k_lat.at[slot, wg])
+              plgpu.wgmma(o_acc_ref, p_smem, k_lat.at[slot, wg])
               return o_acc_ref[...]
 
             acc = acc + pl.run_scoped(
@@ -261,13 +275,16 @@ def build_kernel(
             0, n - 1, functools.partial(kv_step, last=False), carry
         )
         # At most one trip: step n - 1 when n > 0.
-        acc, m_i, l_i = lax.fori_loop(
+        acc, m_i, l_own = lax.fori_loop(
             jnp.maximum(n - 1, 0), n, functools.partial(kv_step, last=True), carry
         )
-
-        # Orders every wgmma of both warpgroups before the epilogue
+        # The other half's sum. The exchange buffer is free: the other
+        # warpgroup read our last maximum before the last P rendezvous.
+        xchg[wg] = l_own
+        # Also orders every wgmma of both warpgroups before the epilogue
         # overwrites the (aliased) main-loop buffers.
         sync_consumers()
+        l_i = l_own + other_rows()
         has = l_i > 0.0
         inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
         o_stage[wg] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -298,9 +315,9 @@ def build_kernel(
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, 2, block_size, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, block_size, ROPE), dtype, transforms=bf16),
+        plgpu.SMEM((HEAD_TILE, block_size), dtype, transforms=bf16),
         *([] if rope_in_regs else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
-            plgpu.SMEM((2, HEAD_TILE, block_size), dtype, transforms=bf16),
         ]),
     )
     epi = (
@@ -310,6 +327,7 @@ def build_kernel(
     pl.run_scoped(
         scoped,
         plgpu.RefUnion(main, epi),
+        plgpu.SMEM((2, HEAD_TILE), jnp.float32),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
