@@ -201,6 +201,9 @@ def test_combine_merges_and_handles_empty_splits():
   want = np.einsum("sh,shd->hd", np.where(np.isfinite(w), w, 0), np.nan_to_num(np.asarray(o[0])))
   np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-5, atol=1e-6)
   assert (np.asarray(out[1]) == 0).all() and (np.asarray(lse_out[1]) == -np.inf).all()
+  # One split: an empty row's unwritten output is not passed through either.
+  out1, lse1 = combine_splits(o[:, 1:2], lse[:, 1:2])
+  assert (np.asarray(out1) == 0).all() and (np.asarray(lse1) == -np.inf).all()
 
 
 def test_configs_valid():

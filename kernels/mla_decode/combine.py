@@ -29,7 +29,7 @@ def combine_splits(
   """
   with jax.named_scope("jaxkv.mla_decode_combine"):
     if o.shape[1] == 1:
-      return o[:, 0], lse[:, 0]
+      return jnp.where((lse[:, 0] > -jnp.inf)[..., None], o[:, 0], 0.0), lse[:, 0]
     m = jnp.max(lse, axis=1)  # [batch, heads]
     live = lse > -jnp.inf
     m_safe = jnp.where(m > -jnp.inf, m, 0.0)
