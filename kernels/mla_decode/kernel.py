@@ -350,7 +350,11 @@ def build_kernel(
       grid_names=("g", "s", "b"),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # No automatic warpgroup barrier around every SMEM store: each
+      # cross-thread hazard is ordered by commit_smem or an mbarrier (the
+      # select-mode value clean reads and rewrites the same elements in the
+      # same thread, which needs none).
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       kernel_name="jaxkv_mla_decode",
       interpret=interpret,
   )

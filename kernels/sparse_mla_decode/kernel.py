@@ -161,8 +161,9 @@ def build_kernel(
 
           @pl.when(tile + IDX_STAGES < num_tiles)
           def _():
-            # The copy's own warpgroup barrier orders every thread's reads
-            # of this slot before it is overwritten.
+            # Every thread's reads of this slot before it is overwritten
+            # (automatic barriers are off, see the compiler params).
+            plgpu.commit_smem()
             fetch_indices(tile + IDX_STAGES)
 
         def gather_row(idx, stage, r):
@@ -364,7 +365,11 @@ def build_kernel(
       grid_names=("g", "s", "b"),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # No automatic warpgroup barrier around every SMEM store and before
+      # every TMA copy (32 copies and 9 stores per tile in the producer):
+      # each cross-thread hazard here is ordered by an explicit commit_smem
+      # or an mbarrier, and no thread reads SMEM that it wrote.
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
   )
