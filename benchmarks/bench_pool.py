@@ -14,7 +14,7 @@ schedule, same run, interleaved step by step), the kernels the compiled
 step launches (`hlo_kernels`), and ratios. History: benchmarks/POOL_NOTES.md. The device state is checked against every
 pool invariant and the admissions against the host pool.
 
-  python benchmarks/bench_pool.py [--steps 100] [--out DIR]
+  python benchmarks/bench_pool.py [--steps 100] [--block 1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--steps", type=int, default=100)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+  ap.add_argument("--block", type=int, default=1, help="steps per side before switching (1: every step)")
   args = ap.parse_args()
   dev = jax.devices()[0]
   spec = make_spec()
@@ -139,9 +140,12 @@ def main():
   init, trace = schedule(rng, warm + args.steps + 64)
   dtrace = [tuple(jnp.asarray(x) for x in t) for t in trace]
 
-  # --- host peer and jitted step, interleaved step by step ------------------
+  # --- host peer and jitted step, alternating --------------------------------
   # Both see the same machine load (the CPU may be shared), so their ratio is
-  # meaningful even when the absolute figures drift.
+  # meaningful even when the absolute figures drift. `--block 1` alternates
+  # every step: each side then starts with caches the other one filled (the
+  # host step walks thousands of Python objects), which costs the jitted step
+  # far more than its work; `--block 20` alternates runs of 20 steps.
   host = host_setup(init)
   host_active = list(range(RUNNING))
   step = jax.jit(functools.partial(step_fn, spec), donate_argnums=0)
@@ -152,21 +156,26 @@ def main():
   kernels = hlo_kernels(compiled.as_text())
   jax.block_until_ready(step(jax.tree.map(jnp.copy, state), *dtrace[0]))
   host_ms, wall_ms, oks = [], [], []
-  for i, ((fin, arr, lens, toks), t) in enumerate(zip(trace[: warm + args.steps], dtrace)):
-    arrivals = [(int(s), toks[k].tolist(), int(lens[k])) for k, s in enumerate(arr)]
-    for s in fin:
-      host_active.remove(int(s))
-    host_active += [int(s) for s in arr]
-    t0 = time.perf_counter()
-    host.step(fin.tolist(), arrivals, sorted(host_active))
-    t1 = time.perf_counter()
-    state, slots, zl, ok = step(state, *t)
-    jax.block_until_ready(slots)
-    t2 = time.perf_counter()
-    if i >= warm:
-      host_ms.append((t1 - t0) * 1e3)
-      wall_ms.append((t2 - t1) * 1e3)
-    oks.append(ok)
+  total = warm + args.steps
+  for start in range(0, total, args.block):
+    run = range(start, min(start + args.block, total))
+    for i in run:
+      fin, arr, lens, toks = trace[i]
+      arrivals = [(int(s), toks[k].tolist(), int(lens[k])) for k, s in enumerate(arr)]
+      for s in fin:
+        host_active.remove(int(s))
+      host_active += [int(s) for s in arr]
+      t0 = time.perf_counter()
+      host.step(fin.tolist(), arrivals, sorted(host_active))
+      if i >= warm:
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+    for i in run:
+      t1 = time.perf_counter()
+      state, slots, zl, ok = step(state, *dtrace[i])
+      jax.block_until_ready(slots)
+      if i >= warm:
+        wall_ms.append((time.perf_counter() - t1) * 1e3)
+      oks.append(ok)
   all_ok = bool(jnp.all(jnp.stack(oks)))
   pool.assert_pool_valid(spec, state)
   dev_free, host_free = int(state.num_free) + int(state.num_parked), host.free.size
@@ -196,7 +205,7 @@ def main():
   row = dict(
       device=dev.device_kind, jax=jax.__version__, date="2026-11-29",
       shape=f"N={N} bs={BS} seqs={RUNNING} running (+{CHURN} arrive/{CHURN} finish) max_seqs={S} M={M}",
-      steps=args.steps, all_ok=all_ok, compile_s=round(t_compile, 2), hlo_kernels=kernels,
+      steps=args.steps, block=args.block, all_ok=all_ok, compile_s=round(t_compile, 2), hlo_kernels=kernels,
       jit_step_wall_us=round(med(wall_ms) * 1e3, 1), host_python_step_us=round(med(host_ms) * 1e3, 1),
       cupti_step_us=None if cupti_step is None else round(cupti_step, 1),
       cupti_scan_step_us=None if cupti_scan is None else round(cupti_scan, 1),
@@ -204,6 +213,8 @@ def main():
       active_host=len(host.seqs),
   )
   row["host_over_jit_wall"] = round(row["host_python_step_us"] / row["jit_step_wall_us"], 2)
+  # Step by step (both saw the same load at that moment), less sensitive to drift.
+  row["host_over_jit_paired"] = round(med([h / w for h, w in zip(host_ms, wall_ms)]), 2)
   if cupti_step:
     row["host_over_cupti"] = round(row["host_python_step_us"] / cupti_step, 1)
   os.makedirs(args.out, exist_ok=True)

@@ -38,7 +38,8 @@ def _take(spec: PoolSpec, state: PoolState, count: Any, start: Any, first_col: A
   n, m = spec.num_blocks, spec.max_blocks_per_seq
   b = sid.shape[0]
   kmax = min(b * cols, n - 1)
-  popped, queue, num_free = take_front(state.free_queue, state.num_free, count, kmax, remove)
+  popped, queue, head, num_free = take_front(
+      state.free_queue, state.queue_head, state.num_free, count, kmax, remove)
   state = _prefix.evict(state, popped, spec.hash_table_size) if spec.enable_prefix_caching else state
   k = jnp.arange(cols)[None, :]
   col = first_col[:, None] + k
@@ -47,7 +48,7 @@ def _take(spec: PoolSpec, state: PoolState, count: Any, start: Any, first_col: A
   rows = jnp.where(take, sid[:, None], spec.max_seqs)
   table = state.block_table.at[rows, jnp.minimum(col, m - 1)].set(block, mode="drop")
   ref = state.ref_count.at[jnp.where(take, block, n)].set(1, mode="drop")
-  state = state.replace(free_queue=queue, num_free=num_free, block_table=table, ref_count=ref)
+  state = state.replace(free_queue=queue, queue_head=head, num_free=num_free, block_table=table, ref_count=ref)
   if spec.zero_new_blocks:
     zero = take & (col >= zero_from[:, None])
     size = spec.max_zero_list
@@ -174,8 +175,13 @@ def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *,
     hit = j < hits[:, None]
     idle = hit & (state.ref_count[jnp.maximum(cand, 0)] == 0)
     flat = (jnp.arange(b)[:, None] * mh + j).astype(jnp.int32)
-    claim = jnp.full((n,), b * mh, jnp.int32).at[jnp.where(idle, cand, n)].min(flat, mode="drop")
-    first = idle & (claim[jnp.maximum(cand, 0)] == flat)
+    # The first claim of each idle block wins a scatter-min of `-1 - flat`
+    # into its ref count (0, so no [N] scratch array), restored right after.
+    target = jnp.where(idle, cand, n)
+    ref = state.ref_count.at[target].min(-1 - flat, mode="drop")
+    first = idle & (ref[jnp.maximum(cand, 0)] == -1 - flat)
+    first, ref = jax.lax.optimization_barrier((first, ref))  # read before the in-place restore
+    state = state.replace(ref_count=ref.at[target].set(0, mode="drop"))
     claimed = jnp.sum(first.astype(jnp.int32), axis=1)
   else:
     hits = jnp.zeros((b,), jnp.int32)
@@ -196,7 +202,9 @@ def _admit_body(spec, state, seq_ids, prompt_lens, block_hashes, load_tokens, *,
   if spec.enable_prefix_caching:
     hit = hit & ok[:, None]
     ref = state.ref_count.at[jnp.where(hit, cand, n)].add(1, mode="drop")
-    remove = jnp.zeros((n,), bool).at[jnp.where(first & ok[:, None], cand, n)].set(True, mode="drop")
+    # Every queued block has ref count 0 but the idle hits just claimed: they
+    # leave the queue (no [N] mask to build; the compare fuses into its read).
+    remove = ref > 0
     rows = jnp.where(hit, sid[:, None], spec.max_seqs)
     table = state.block_table.at[rows, j].set(cand, mode="drop")
     state = state.replace(ref_count=ref, block_table=table)

@@ -119,6 +119,11 @@ def seq_requests(spec: PoolSpec, state: Any, seq_ids: Any) -> tuple[Any, Any, An
   pad = seq_ids == -1
   in_range = (seq_ids >= 0) & (seq_ids < s)
   sid = jnp.clip(seq_ids, 0, s - 1)
+  b = seq_ids.shape[0]
+  if b <= 64:
+    # A short batch compares its ids pairwise: one fused pass, no [max_seqs] scratch.
+    same = (seq_ids[:, None] == seq_ids[None, :]) & in_range[None, :]
+    return pad, sid, in_range & (jnp.sum(same.astype(jnp.int32), axis=1) == 1)
   counts = jnp.zeros((s,), jnp.int32).at[jnp.where(in_range, seq_ids, s)].add(1, mode="drop")
   return pad, sid, in_range & (counts[sid] == 1)
 

@@ -10,7 +10,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from ._pool_spec import PoolSpec
-from ._pool_state import PoolState
+from ._pool_state import SEQ_MASK, PoolState
 
 
 def _count(xp: Any, idx: Any, valid: Any, n: int) -> Any:
@@ -21,27 +21,51 @@ def _count(xp: Any, idx: Any, valid: Any, n: int) -> Any:
   return jnp.zeros((n,), jnp.int32).at[jnp.where(valid, idx, n)].add(1, mode="drop")
 
 
-def _padded_list(xp: Any, lst: Any, count: Any, n: int) -> tuple[Any, Any, Any]:
-  """(live mask, ids in range and padding -1 beyond count, counts per block)."""
-  live = xp.arange(lst.shape[0]) < count
-  good = xp.all(xp.where(live, (lst > 0) & (lst < n), lst == -1)) & (count >= 0) & (count <= lst.shape[0])
+def _padded_list(xp: Any, lst: Any, count: Any, n: int, head: Any = 0,
+                 stale_ok: bool = False) -> tuple[Any, Any, Any]:
+  """(live mask, ids in range and -1 outside the live entries, counts per block).
+
+  The live entries are `count` from `head` on, wrapping around (a ring);
+  with `stale_ok` the others may hold anything.
+  """
+  size = lst.shape[0]
+  live = (xp.arange(size) - head + size) % size < count
+  good = xp.all(xp.where(live, (lst > 0) & (lst < n), stale_ok | (lst == -1))) & (count >= 0) & (count <= size)
   return live, good, _count(xp, xp.where(live, lst, 0), live, n)
 
 
 def invariants(spec: PoolSpec, state: PoolState, xp: Any = np) -> dict[str, Any]:
   """Every invariant of the pool as a named scalar bool (NumPy or jnp)."""
   n, bs, m = spec.num_blocks, spec.block_size, spec.max_blocks_per_seq
-  s = {f: (np.asarray(v) if xp is np else v) for f, v in vars(state).items()}
-  _, queue_ok, in_queue = _padded_list(xp, s["free_queue"], s["num_free"], n)
-  plive, parked_ok, in_parked = _padded_list(xp, s["parked"], s["num_parked"], n)
-  steps = s["parked_step"]
-  nondecreasing = xp.all(xp.where(plive[1:], steps[1:] >= steps[:-1], True))
-  fence_of_parked = xp.zeros((n,), xp.int32)
-  if xp is np:
-    fence_of_parked = np.full((n,), -1, np.int32)
-    fence_of_parked[s["parked"][plive]] = steps[plive]
-  else:
-    fence_of_parked = jnp.full((n,), -1, jnp.int32).at[jnp.where(plive, s["parked"], n)].set(steps, mode="drop")
+  s = {f: (np.asarray(v) if xp is np else v) for f, v in state.fields().items()}
+  heads = [s[k] for k in ("queue_head", "parked_u_head", "parked_h_head")]
+  head_ok = xp.all(xp.stack([(h >= 0) & (h < n) for h in heads]))
+  _, queue_ok, in_queue = _padded_list(xp, s["free_queue"], s["num_free"], n, s["queue_head"])
+  # Two parked rings (unhashed, hashed), each in free order: steps never
+  # decrease from the head, every entry's hash flag matches its ring, and
+  # the park order numbers increase (modulo 2**30) from the oldest.
+  in_parked = fence_of_parked = None
+  rings_ok = True
+  oldest = s["park_seq"] - s["num_parked_u"] - s["num_parked_h"]
+  for ring, is_hashed in (("u", False), ("h", True)):
+    blk, steps, seq = s[f"parked_{ring}"], s[f"parked_{ring}_step"], s[f"parked_{ring}_seq"]
+    head = s[f"parked_{ring}_head"]
+    live, ok, counts = _padded_list(xp, blk, s[f"num_parked_{ring}"], n, head, stale_ok=True)
+    order = (xp.arange(n) + head) % n
+    olive = live[order]
+    key = (seq[order] - oldest) & SEQ_MASK
+    in_order = xp.where(olive[1:], (steps[order][1:] >= steps[order][:-1]) & (key[1:] > key[:-1]), True)
+    flags = xp.where(live, s["hashed"][xp.where(live, blk, 0)] == is_hashed, True)
+    rings_ok = rings_ok & ok & xp.all(in_order) & xp.all(flags)
+    in_parked = counts if in_parked is None else in_parked + counts
+    if xp is np:
+      fence = np.full((n,), -1, np.int32)
+      fence[blk[live]] = steps[live]
+    else:
+      fence = jnp.full((n,), -1, jnp.int32).at[jnp.where(live, blk, n)].set(steps, mode="drop")
+    fence_of_parked = fence if fence_of_parked is None else xp.maximum(fence_of_parked, fence)
+    rings_ok = rings_ok & xp.all(xp.where(live, (steps > s["processed"]) & (steps <= s["step"]), True))
+  parked_ok = rings_ok
   nb = (s["num_tokens"] + bs - 1) // bs
   col = xp.arange(m)[None, :]
   inside = s["active"][:, None] & (col < nb[:, None])
@@ -59,11 +83,11 @@ def invariants(spec: PoolSpec, state: PoolState, xp: Any = np) -> dict[str, Any]
   tlv, tails_ok, in_tails = _padded_list(xp, s["tail_ids"], s["num_tails"], n)
   valid_slots = s["tail_valid"]
   return {
-      "free queue holds distinct real blocks, -1 past its count": queue_ok & xp.all(in_queue <= 1),
-      "parked list holds distinct real blocks, -1 past its count": parked_ok & xp.all(in_parked <= 1),
-      "parked steps are in order, not yet processed and not in the future": nondecreasing
-      & xp.all(xp.where(plive, (steps > s["processed"]) & (steps <= s["step"]), steps == -1)),
-      "block_fence matches the parked list": xp.all(s["block_fence"] == fence_of_parked),
+      "free queue holds distinct real blocks, -1 past its count": head_ok & queue_ok & xp.all(in_queue <= 1),
+      "parked rings hold distinct real blocks in free order, steps not yet processed": parked_ok
+      & xp.all(in_parked <= 1),
+      "block_fence matches the parked list (processed steps elsewhere)": xp.all(xp.where(
+          fence_of_parked >= 0, s["block_fence"] == fence_of_parked, s["block_fence"] <= s["processed"])),
       "every real block is in exactly one place": xp.all(places[1:] == 1),
       "the null block is nowhere": (places[0] == 0) & (ref[0] == 0) & ~s["hashed"][0]
       & (in_zero[0] == 0) & (in_tails[0] == 0),

@@ -11,7 +11,7 @@ from jaxtyping import Array, Int
 from ._pool_call import check_request_array, ceil_div, first_bad, seq_requests, transition
 from ._pool_queue import event_ranks, push_freed
 from ._pool_spec import PoolSpec
-from ._pool_state import PoolState
+from ._pool_state import SEQ_MASK, PoolState, ring_index
 from ._types import BATCH
 
 
@@ -21,22 +21,35 @@ def release(spec: PoolSpec, state: PoolState, events: Any) -> PoolState:
   With `defer_block_free`, while the current step is not processed, they are
   parked behind its fence; otherwise they go straight into the free queue.
   """
-  ranks = event_ranks(events, state.hashed)  # shared by parking and pushing
+  n = spec.num_blocks
+  is_hashed, ranks = event_ranks(events, state.hashed)  # shared by parking and pushing
   enabled = True
   if spec.defer_block_free:
     # Only a step that has started and is not processed yet can still write them.
     fenced = state.step > state.processed
     valid = (events > 0) & fenced
-    pos = jnp.where(valid, state.num_parked + ranks[1][:, 0] + ranks[1][:, 1] - 1, spec.num_blocks)
+    # Unhashed and hashed blocks park in two rings, each in free order, so a
+    # release moves two contiguous runs into the free queue (no ranks, no scatter).
+    nu, nh = state.num_parked_u, state.num_parked_h
+    pos = jnp.where(is_hashed, ring_index(state.parked_h_head, nh + ranks[:, 1] - 1, n),
+                    ring_index(state.parked_u_head, nu + ranks[:, 0] - 1, n))
+    pos = jnp.where(valid, pos, n)
+    seq = (state.park_seq + ranks[:, 0] + ranks[:, 1] - 1) & SEQ_MASK
+    rows = jnp.stack([events, jnp.broadcast_to(state.step, events.shape), seq], axis=1)  # [m, 3]
+    info = state.parked_info.reshape(2, 3, n).at[is_hashed.astype(jnp.int32), :, pos].set(rows, mode="drop")
+    nvalid_u = jnp.sum((valid & ~is_hashed).astype(jnp.int32))
+    nvalid = jnp.sum(valid.astype(jnp.int32))
     state = state.replace(
-        parked=state.parked.at[pos].set(events, mode="drop"),
-        parked_step=state.parked_step.at[pos].set(state.step, mode="drop"),
-        num_parked=state.num_parked + jnp.sum(valid.astype(jnp.int32)),
-        block_fence=state.block_fence.at[jnp.where(valid, events, spec.num_blocks)].set(state.step, mode="drop"),
+        parked_info=info.reshape(6, n),
+        num_parked_u=nu + nvalid_u,
+        num_parked_h=nh + nvalid - nvalid_u,
+        park_seq=(state.park_seq + nvalid) & SEQ_MASK,
+        block_fence=state.block_fence.at[jnp.where(valid, events, n)].set(state.step, mode="drop"),
     )
     enabled = ~fenced
-  queue, num_free = push_freed(state.free_queue, state.num_free, events, state.hashed, ranks, enabled)
-  return state.replace(free_queue=queue, num_free=num_free)
+  queue, head, num_free = push_freed(state.free_queue, state.queue_head, state.num_free, events, state.hashed,
+                                     (is_hashed, ranks), enabled)
+  return state.replace(free_queue=queue, queue_head=head, num_free=num_free)
 
 
 def _free_body(spec: PoolSpec, state: PoolState, seq_ids: Any, *, checks: Any) -> tuple[PoolState, Any]:

@@ -1,11 +1,10 @@
 """Vectorised list operations on the free queue, the parked list and the pending lists.
 
-All lists are fixed-size int32 arrays padded with -1 past a dynamic count. The
-free queue keeps its live entries at `[0, num_free)`, so a pop or a push to the
-front moves every entry: that costs one gather over the queue (a single fused
-pass, the same on every backend). Ranks (cumsums), scatters and searches run
-over the items that change, never over the whole queue, except where blocks
-leave from the middle (`take_front` with removals).
+All lists are fixed-size int32 arrays padded with -1 past a dynamic count.
+The free queue and the parked list are rings (a head index and a count), so
+a pop or a push touches only the entries that move: a gather or a scatter of
+the request-sized list, never a pass over the whole ring, except where
+blocks leave from the middle (`take_front` with removals packs the queue).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._pool_spec import PoolSpec
+from ._pool_state import ring_index
 
 
 def prefix_sum(x: Any) -> Any:
@@ -71,26 +70,6 @@ def append(lst: Any, count: Any, items: Any, valid: Any) -> tuple[Any, Any]:
   return lst, pos[-1] + 1
 
 
-def in_queue_mask(spec: PoolSpec, queue: Any, num_free: Any) -> Any:
-  """`[num_blocks]` bool: block is in the free queue."""
-  live = jnp.arange(queue.shape[0]) < num_free
-  return jnp.zeros((spec.num_blocks,), bool).at[jnp.where(live, queue, spec.num_blocks)].set(
-      True, mode="drop"
-  )
-
-
-def shifted(queue: Any, shift: Any, lo: Any, hi: Any) -> Any:
-  """`out[i] = queue[i - shift]` for `lo <= i < hi`, -1 elsewhere; `|shift| <= n`.
-
-  A dynamic slice of the -1 padded list (contiguous reads), not a gather.
-  """
-  n = queue.shape[0]
-  i = jnp.arange(n, dtype=jnp.int32)
-  pad = jnp.full((n,), -1, queue.dtype)
-  src = jax.lax.dynamic_slice(jnp.concatenate([pad, queue, pad]), (n - shift,), (n,))
-  return jnp.where((i >= lo) & (i < hi), src, -1)
-
-
 def event_ranks(events: Any, hashed: Any) -> tuple[Any, Any]:
   """Inclusive ranks of freed blocks among the unhashed / hashed ones of `events`.
 
@@ -113,56 +92,70 @@ def event_ranks(events: Any, hashed: Any) -> tuple[Any, Any]:
   return is_hashed, prefix_sum(jnp.stack([front, back], axis=1).astype(jnp.int32))
 
 
-def push_freed(queue: Any, num_free: Any, events: Any, hashed: Any, ranks: Any = None,
-               enabled: Any = True) -> tuple[Any, Any]:
+def push_freed(queue: Any, head: Any, num_free: Any, events: Any, hashed: Any, ranks: Any = None,
+               enabled: Any = True) -> tuple[Any, Any, Any]:
   """Pushes freed blocks into the free queue, one block at a time in `events` order.
 
   A block without a prefix hash goes to the front, so the last one freed is
   the first reused (LIFO); a hashed block goes to the back, so the earliest
   freed cached block is evicted first (LRU). The result is
-  `reversed(unhashed) + queue + hashed`: the old entries shift by the number
-  of unhashed events (one gather) and the events are scattered around them.
+  `reversed(unhashed) + queue + hashed`: on the ring the head moves back by
+  the number of unhashed events and the events are scattered around the old
+  entries, which stay where they are.
 
   Args:
-    queue: `[num_blocks]` free queue; `num_free` its count.
+    queue: `[n]` free-queue ring; `head` its front, `num_free` its count.
     events: `[m]` freed block ids in free order, -1 padded.
     hashed: `[num_blocks]` bool, the blocks' hash flags.
     ranks: `event_ranks(events, hashed)` if the caller has them, else None.
     enabled: `[]` bool; False pushes nothing.
+
+  Returns:
+    `(queue, head, num_free)`.
   """
   n = queue.shape[0]
   is_hashed, ranks = event_ranks(events, hashed) if ranks is None else ranks
   valid = (events > 0) & enabled
   num_front = jnp.where(enabled, ranks[-1, 0], 0)
   num_back = jnp.where(enabled, ranks[-1, 1], 0)
-  dest = jnp.where(is_hashed, num_front + num_free + ranks[:, 1] - 1, num_front - ranks[:, 0])
-  out = shifted(queue, num_front, num_front, num_front + num_free)
-  out = out.at[jnp.where(valid, dest, n)].set(events, mode="drop")
-  return out, num_free + num_front + num_back
+  # Ranks count valid events only (< n), so every offset is in [-n, 2n).
+  dest = jnp.where(is_hashed, ring_index(head, num_free + ranks[:, 1] - 1, n), ring_index(head, -ranks[:, 0], n))
+  out = queue.at[jnp.where(valid, dest, n)].set(events, mode="drop")
+  return out, ring_index(head, -num_front, n), num_free + num_front + num_back
 
 
-def take_front(queue: Any, num_free: Any, count: Any, kmax: int, remove: Any = None) -> tuple[Any, Any, Any]:
+def take_front(queue: Any, head: Any, num_free: Any, count: Any, kmax: int,
+               remove: Any = None) -> tuple[Any, Any, Any, Any]:
   """Takes the blocks flagged in `remove` out of the queue, then pops `count` from the front.
 
   Args:
-    queue: `[n]` free queue; `num_free` its count.
+    queue: `[n]` free-queue ring; `head` its front, `num_free` its count.
     count: `[]` blocks to pop, at most what is left after the removals.
-    kmax: static length of the popped list.
+    kmax: static length of the popped list (at most n).
     remove: `[num_blocks]` bool or None (nothing removed).
 
   Returns:
-    `(popped [kmax] padded with -1, queue, num_free)`.
+    `(popped [kmax] padded with -1, queue, head, num_free)`.
   """
   n = queue.shape[0]
   k = jnp.arange(kmax, dtype=jnp.int32)
   if remove is None:
-    popped = jnp.where(k < count, queue[jnp.minimum(k, n - 1)], -1)
-    return popped, shifted(queue, -count, 0, num_free - count), num_free - count
-  live = jnp.arange(n) < num_free
+    # A pop reads `count` entries and clears them; nothing else moves.
+    pos = ring_index(head, k, n)
+    live = k < count
+    popped = jnp.where(live, queue[pos], -1)
+    popped, queue = jax.lax.optimization_barrier((popped, queue))  # read before the in-place clear
+    queue = queue.at[jnp.where(live, pos, n)].set(-1, mode="drop")
+    return popped, queue, ring_index(head, count, n), num_free - count
+  # Removals leave holes: the kept entries are packed from index 0 (one scatter,
+  # ranked in queue order straight from ring positions), then the pop is a slice.
+  p = jnp.arange(n, dtype=jnp.int32)
+  live = ring_index(-head, p, n) < num_free
   keep = live & ~remove[jnp.maximum(queue, 0)]
-  pos = prefix_sum(keep.astype(jnp.int32)) - 1  # rank among the entries that stay
-  left = pos[-1] + 1 - count
-  # One scatter packs the kept entries; popped and rest are slices of them.
-  packed = jnp.full((n,), -1, jnp.int32).at[jnp.where(keep, pos, n)].set(queue, mode="drop")
+  run = prefix_sum(keep.astype(jnp.int32))
+  total = run[-1]
+  before = jnp.where(head > 0, run[jnp.maximum(head - 1, 0)], 0)  # kept entries ahead of the head
+  rank = jnp.where(p >= head, run - before, run + total - before) - 1
+  packed = jnp.full((n,), -1, jnp.int32).at[jnp.where(keep, rank, n)].set(queue, mode="drop")
   popped = jnp.where(k < count, packed[:kmax], -1)
-  return popped, shifted(packed, -count, 0, left), left
+  return popped, jnp.where(p >= count, packed, -1), count, total - count

@@ -48,7 +48,7 @@ def slot_mapping(
     sid = jnp.clip(seq_ids, 0, spec.max_seqs - 1)
     live = (seq_ids >= 0) & (seq_ids < spec.max_seqs) & state.active[sid]
     count = jnp.where(live, jnp.clip(num_new_tokens, 0, state.num_tokens[sid]), 0)
-    ends = jnp.cumsum(count)
+    ends = prefix_sum(count)
     t = jnp.arange(num_slots, dtype=jnp.int32)
     # Request of token t: how many requests end at or before t (a searchsorted
     # would be a loop; a histogram of the ends and its running sum is not).

@@ -92,7 +92,9 @@ def hash_prompt_blocks(
     fwd, bwd = np.stack(fwd, axis=-1), np.stack(bwd, axis=-1)  # [m, 2]
     # Running sum over blocks (mod 2**32) as masked sums: a cumsum is a
     # reduce-window tree, several slow kernels.
-    prefix = jnp.moveaxis(prefix_sum(jnp.moveaxis(d * bwd[None], 1, 0)), 0, 1) * fwd[None]
+    # Rows and lanes share one trailing axis (a trailing axis of 2 sums slowly on a CPU).
+    run = prefix_sum(jnp.moveaxis(d * bwd[None], 1, 0).reshape(m, b * 2)).reshape(m, b, 2)
+    prefix = jnp.moveaxis(run, 0, 1) * fwd[None]
     return _fmix(prefix + seed[0])
 
 
@@ -111,7 +113,7 @@ def lookup(state: Any, hashes: Any, table_size: int) -> tuple[Any, Any]:
   cand = state.hash_table[table_slot(hashes, table_size)]
   safe = jnp.maximum(cand, 0)
   same = jnp.all(state.block_hash[safe] == hashes, axis=-1)
-  found = (cand > 0) & same & state.hashed[safe] & (state.block_fence[safe] < 0)
+  found = (cand > 0) & same & state.hashed[safe] & (state.block_fence[safe] <= state.processed)
   return found, cand
 
 

@@ -218,10 +218,12 @@ def assert_matches(model, state):
   import numpy as np
 
   spec = model.spec
-  s = {k: np.asarray(v) for k, v in vars(state).items()}
+  s = {k: np.asarray(v) for k, v in state.fields().items()}
   nf = int(s["num_free"])
-  assert s["free_queue"][:nf].tolist() == model.queue, (s["free_queue"][:nf].tolist(), model.queue)
-  assert (s["free_queue"][nf:] == -1).all()
+  queue = np.asarray(state.ordered_free_queue())
+  assert queue[:nf].tolist() == model.queue, (queue[:nf].tolist(), model.queue)
+  assert (queue[nf:] == -1).all()
+  assert int((s["free_queue"] >= 0).sum()) == nf  # the ring holds nothing else
   assert s["ref_count"].tolist() == model.ref
   hashed = set(np.flatnonzero(s["hashed"]).tolist())
   assert hashed == set(model.hash), (hashed, set(model.hash))
@@ -230,7 +232,8 @@ def assert_matches(model, state):
   index = {i: int(b) for i, b in enumerate(s["hash_table"]) if b >= 0}
   assert index == model.index
   npk = int(s["num_parked"])
-  assert list(zip(s["parked"][:npk].tolist(), s["parked_step"][:npk].tolist())) == model.parked
+  parked, parked_step = (np.asarray(x) for x in state.ordered_parked())
+  assert list(zip(parked[:npk].tolist(), parked_step[:npk].tolist())) == model.parked
   for sid in range(spec.max_seqs):
     seq = model.seqs.get(sid)
     row = s["block_table"][sid].tolist()

@@ -19,7 +19,7 @@ def _i32(*xs):
 
 
 def _queue(state):
-  return np.asarray(state.free_queue)[: int(state.num_free)].tolist()
+  return np.asarray(state.ordered_free_queue())[: int(state.num_free)].tolist()
 
 
 def _spec(**kw):
@@ -114,7 +114,7 @@ def test_fence_parks_until_processed_and_abort_cannot_bypass():
   assert int(step) == 1
   st, _ = pool.abort(spec, st, _i32(0))
   assert _queue(st) == [4, 5, 6, 7, 8, 9]  # blocks 1, 2 parked, not free
-  assert np.asarray(st.parked)[: int(st.num_parked)].tolist() == [2, 1]
+  assert np.asarray(st.ordered_parked()[0])[: int(st.num_parked)].tolist() == [2, 1]
   st, (ok, _) = _admit(spec, st, [2], [16])  # takes 4 blocks, never the parked ones
   assert ok.tolist() == [True] and np.asarray(st.block_table)[2].tolist() == [4, 5, 6, 7]
   st, step = pool.advance_step(spec, st)
