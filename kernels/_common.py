@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from importlib import resources
 from typing import Any
@@ -36,6 +37,36 @@ def resolve_interpret(interpret: Any) -> plgpu.InterpretGPUParams | None:
       "interpret must be None, True, False or a plgpu.InterpretGPUParams, got"
       f" {interpret!r}"
   )
+
+
+def require_interpreter_threads(num_threads: int, kernel: str) -> None:
+  """Fails fast where the interpreter cannot run a kernel's warpgroups at once.
+
+  The Pallas GPU interpreter runs every warpgroup of a block as its own CPU
+  computation, all at the same time, and warpgroups that wait on each other
+  (producer and consumers) need all of them running. The CPU backend runs at
+  most max(cores, CPU devices) computations at once; with fewer, the kernel
+  would hang forever instead of failing.
+
+  Args:
+    num_threads: warpgroups per block of the kernel.
+    kernel: the kernel's name, for the message.
+  """
+  available = cpu_parallelism()
+  if available < num_threads:
+    raise ValueError(
+        f"{kernel} in the Pallas GPU interpreter runs {num_threads} warpgroups at"
+        f" once, but this machine's CPU backend runs {available} computations at"
+        f" once (max of cores and CPU devices): before JAX starts, call"
+        f" jax.config.update('jax_num_cpu_devices', {num_threads}) or set"
+        f" XLA_FLAGS=--xla_force_host_platform_device_count={num_threads}"
+    )
+
+
+def cpu_parallelism() -> int:
+  """Computations the CPU backend runs at once: max(usable cores, CPU devices)."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return max(cores or 1, len(jax.devices("cpu")))
 
 
 @functools.cache

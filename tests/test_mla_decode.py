@@ -245,3 +245,16 @@ def test_bad_inputs(change, match):
   q, cache, table, lens = (args.pop(k) for k in ("q", "cache", "block_table", "seq_lens"))
   with pytest.raises(ValueError, match=match.replace(".", r"\.")):
     mla_decode(q, cache, table, lens, **args)
+
+
+def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
+  """Where the CPU backend cannot run the three warpgroups at once, the interpreted
+  kernel would wait forever: the call raises, naming the fix, before launching."""
+  import importlib
+
+  common = importlib.import_module("jaxkv.kernels._common")
+  assert common.cpu_parallelism() >= 8  # the suite's 8 CPU devices
+  monkeypatch.setattr(common, "cpu_parallelism", lambda: 2)
+  q, cache, table, lens = (jnp.asarray(x) for x in _problem(0, [BS + 3], 16))
+  with pytest.raises(ValueError, match="jax_num_cpu_devices"):
+    mla_decode(q, cache.astype(jnp.bfloat16), table, lens, sm_scale=0.1, interpret=True)

@@ -164,3 +164,14 @@ def test_compiled_xla_implementation(mode):
   has_pad = np.asarray((idx < 0).any(axis=1) & (idx >= 0).any(axis=1))
   nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
   np.testing.assert_array_equal(nan_rows, has_pad if mode == "multiply" else np.zeros_like(has_pad))
+
+
+def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
+  """As for dense decode: raise where the three warpgroups cannot run at once."""
+  import importlib
+
+  common = importlib.import_module("jaxkv.kernels._common")
+  monkeypatch.setattr(common, "cpu_parallelism", lambda: 2)
+  q, cache, idx = _inputs(0, 1, 16, 64)
+  with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+    sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET)

@@ -40,6 +40,7 @@ ROPE = 64
 HALF = 256  # value channels per consumer warpgroup; also the TMA box limit
 SLOT_HALF = 32  # slots of a block whose scores one consumer warpgroup computes
 NUM_STAGES = 2
+NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
 _LOG2E = math.log2(math.e)
 
 
@@ -348,7 +349,7 @@ def build_kernel(
       out_type=out_type,
       grid=(head_groups, num_splits, batch),
       grid_names=("g", "s", "b"),
-      num_threads=3,
+      num_threads=NUM_THREADS,
       thread_name="wg",
       # No automatic warpgroup barrier around every SMEM store: each
       # cross-thread hazard is ordered by commit_smem or an mbarrier (the

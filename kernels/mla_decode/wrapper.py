@@ -17,7 +17,7 @@ from jaxkv._types import (
     MLA_LATENT_DIM,
     Lse,
 )
-from jaxkv.kernels._common import resolve_interpret
+from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 
 from . import kernel as _kernel
 from .combine import combine_splits
@@ -106,13 +106,16 @@ def mla_decode(
     float32 (natural log).
   """
   _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, config)
+  interpret = resolve_interpret(interpret)
+  if interpret is not None:
+    require_interpreter_threads(_kernel.NUM_THREADS, "mla_decode")
   with jax.named_scope("jaxkv.mla_decode"):
     if plan is None:
       plan = mla_decode_plan(seq_lens, num_heads=q.shape[1], block_size=cache.shape[1], config=config)
     return _mla_decode(
         q, cache, block_table, seq_lens, plan.bounds,
         sm_scale=float(sm_scale), select=mask_mode == "select",
-        interpret=resolve_interpret(interpret),
+        interpret=interpret,
     )
 
 

@@ -50,6 +50,7 @@ NUM_CHUNKS = HEAD_DIM // CHUNK
 HALF = 256  # value channels per consumer warpgroup
 TILE = 32  # tokens per pipeline step (SMEM: Q + 2 raw + 2 swizzled tiles)
 NUM_STAGES = 2
+NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
 IDX_STAGES = 4  # index tiles in flight ahead of the gathers
 GATHER_UNROLL = 8
 # setmaxnreg only moves registers inside the launch allocation (168 per
@@ -363,7 +364,7 @@ def build_kernel(
       out_type=out_type,
       grid=(head_groups, num_splits, batch),
       grid_names=("g", "s", "b"),
-      num_threads=3,
+      num_threads=NUM_THREADS,
       thread_name="wg",
       # No automatic warpgroup barrier around every SMEM store and before
       # every TMA copy (32 copies and 9 stores per tile in the producer):

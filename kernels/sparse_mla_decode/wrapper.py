@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
-from jaxkv.kernels._common import resolve_interpret
+from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
@@ -72,6 +72,8 @@ def sparse_mla_decode(
           f" {_kernel.TILE} indices"
       )
     interpret = resolve_interpret(interpret)
+    if interpret is not None:
+      require_interpreter_threads(_kernel.NUM_THREADS, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
       return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
     return _sparse_mla_decode(
