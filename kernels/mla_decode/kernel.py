@@ -70,7 +70,6 @@ def build_kernel(
   `[batch, num_splits, heads_padded]` f32.
   """
   assert block_size == 64
-  head_groups = heads_padded // HEAD_TILE
   scale_log2 = float(sm_scale) * _LOG2E
   dtype = jnp.bfloat16
   rope_in_regs = interpret is None
@@ -340,22 +339,50 @@ def build_kernel(
         collective_axes="wg",
     )
 
+  # No automatic barriers: each cross-thread hazard above is ordered by
+  # commit_smem or an mbarrier (the select-mode value clean reads and rewrites
+  # the same elements in the same thread, which needs none).
+  return launch_splits(
+      mla_decode_kernel,
+      batch=batch,
+      num_splits=num_splits,
+      heads_padded=heads_padded,
+      kernel_name="jaxkv_mla_decode",
+      interpret=interpret,
+  )
+
+
+def launch_splits(body, *, batch, num_splits, heads_padded, kernel_name, interpret):
+  """The launch of both MLA decode kernels: one block per (head group, split, row).
+
+  Three warpgroups ("wg"), grid axes "g", "s", "b"; the outputs are each
+  split's normalised partial O `[batch, num_splits, heads_padded, 512]` and
+  LSE `[batch, num_splits, heads_padded]`, float32. Pallas's automatic
+  warpgroup barriers around SMEM stores and before TMA copies are off
+  (`unsafe_no_auto_barriers`): the body orders every cross-thread hazard
+  itself with commit_smem or mbarriers.
+
+  Args:
+    body: the kernel body, `(*input refs, o_ref, lse_ref) -> None`.
+    batch, num_splits, heads_padded: the grid (heads in groups of 64).
+    kernel_name: the name profiles show.
+    interpret: None (compiled) or the interpreter's parameters.
+
+  Returns:
+    The kernel call.
+  """
   out_type = (
       jax.ShapeDtypeStruct((batch, num_splits, heads_padded, LATENT), jnp.float32),
       jax.ShapeDtypeStruct((batch, num_splits, heads_padded), jnp.float32),
   )
   return plgpu.kernel(
-      mla_decode_kernel,
+      body,
       out_type=out_type,
-      grid=(head_groups, num_splits, batch),
+      grid=(heads_padded // HEAD_TILE, num_splits, batch),
       grid_names=("g", "s", "b"),
       num_threads=NUM_THREADS,
       thread_name="wg",
-      # No automatic warpgroup barrier around every SMEM store: each
-      # cross-thread hazard is ordered by commit_smem or an mbarrier (the
-      # select-mode value clean reads and rewrites the same elements in the
-      # same thread, which needs none).
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
-      kernel_name="jaxkv_mla_decode",
+      kernel_name=kernel_name,
       interpret=interpret,
   )

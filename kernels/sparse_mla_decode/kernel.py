@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkv.kernels.mla_decode.kernel import NUM_THREADS, launch_splits
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
 HEAD_DIM = 576
@@ -50,7 +51,6 @@ NUM_CHUNKS = HEAD_DIM // CHUNK
 HALF = 256  # value channels per consumer warpgroup
 TILE = 32  # tokens per pipeline step (SMEM: Q + 2 raw + 2 swizzled tiles)
 NUM_STAGES = 2
-NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
 IDX_STAGES = 4  # index tiles in flight ahead of the gathers
 GATHER_UNROLL = 8
 # setmaxnreg only moves registers inside the launch allocation (168 per
@@ -80,7 +80,6 @@ def build_kernel(
   indices `[batch, topk]` int32, o `[batch, num_splits, heads_padded, 512]`
   f32 and lse `[batch, num_splits, heads_padded]` f32.
   """
-  head_groups = heads_padded // HEAD_TILE
   assert topk % (TILE * num_splits) == 0
   num_tiles = topk // (TILE * num_splits)  # per split, static
   scale_log2 = float(sm_scale) * _LOG2E
@@ -355,22 +354,14 @@ def build_kernel(
         collective_axes="wg",
     )
 
-  out_type = (
-      jax.ShapeDtypeStruct((batch, num_splits, heads_padded, LATENT), jnp.float32),
-      jax.ShapeDtypeStruct((batch, num_splits, heads_padded), jnp.float32),
-  )
-  return plgpu.kernel(
+  # No automatic barriers (they cost the producer 32 copies and 9 stores'
+  # worth per tile): each cross-thread hazard above is ordered by an explicit
+  # commit_smem or an mbarrier, and no thread reads SMEM that it wrote.
+  return launch_splits(
       sparse_mla_decode_kernel,
-      out_type=out_type,
-      grid=(head_groups, num_splits, batch),
-      grid_names=("g", "s", "b"),
-      num_threads=NUM_THREADS,
-      thread_name="wg",
-      # No automatic warpgroup barrier around every SMEM store and before
-      # every TMA copy (32 copies and 9 stores per tile in the producer):
-      # each cross-thread hazard here is ordered by an explicit commit_smem
-      # or an mbarrier, and no thread reads SMEM that it wrote.
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+      batch=batch,
+      num_splits=num_splits,
+      heads_padded=heads_padded,
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
   )

@@ -143,9 +143,5 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       interpret=interpret,
   )
   o, lse = call(qp, rows, indices)  # [b, s, hp, 512] f32, [b, s, hp] f32
-  o, lse = o[:, :, :heads], lse[:, :, :heads]
-  if num_splits == 1:
-    o, lse = o[:, 0], lse[:, 0]
-    return jnp.where((lse > -jnp.inf)[..., None], o, 0.0).astype(q.dtype), lse
-  out, lse = combine_splits(o, lse)
+  out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads])
   return out.astype(q.dtype), lse
