@@ -91,6 +91,8 @@ def _assert_close(got, want):
         ([1, BS - 1, BS, BS + 1, 0, 3 * BS - 7], 16, 1, RACES),
         ([5 * BS + 3, 0, 2 * BS], 64, 3, FAST),
         ([3 * BS - 1, BS + 1], 128, 2, FAST),
+        # More splits than the merge kernel takes: XLA merges.
+        ([9 * BS + 3, 0, 2 * BS], 64, 40, FAST),
     ],
 )
 def test_matches_reference(seq_lens, heads, splits, interpret):
@@ -232,7 +234,14 @@ def test_configs_valid():
         (dict(sm_scale=-1.0), "sm_scale"),
         (dict(dv=256), "dv"),
         (dict(mask_mode="zero"), "mask_mode"),
-        (dict(plan=MLADecodePlan(jnp.zeros((3, 2), jnp.int32))), "plan.bounds"),
+        (dict(plan=MLADecodePlan(jnp.zeros((3, 2), jnp.int32), jnp.zeros((3,), jnp.int32),
+                                 jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32))), "plan.bounds"),
+        (dict(plan=MLADecodePlan(jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32),
+                                 jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32))), "plan.row_start"),
+        (dict(plan=MLADecodePlan(jnp.zeros((2, 2), jnp.int32), jnp.zeros((3,), jnp.int32),
+                                 jnp.zeros((1, 3), jnp.int32), jnp.ones((1,), jnp.int32))), "plan.part_rows"),
+        (dict(plan=MLADecodePlan(jnp.zeros((2, 2), jnp.int32), jnp.zeros((3,), jnp.int32),
+                                 jnp.zeros((1, 2), jnp.int32), jnp.ones((), jnp.int32))), "plan.chunk"),
     ],
 )
 def test_bad_inputs(change, match):
@@ -258,3 +267,107 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   q, cache, table, lens = (jnp.asarray(x) for x in _problem(0, [BS + 3], 16))
   with pytest.raises(ValueError, match="jax_num_cpu_devices"):
     mla_decode(q, cache.astype(jnp.bfloat16), table, lens, sm_scale=0.1, interpret=True)
+
+
+def _segments(plan, seq_lens):
+  """The (row, first block, count, split) each part's CTA runs, as the kernel walks them."""
+  chunk = int(plan.chunk[0])
+  rs = np.asarray(plan.row_start)
+  nblk = -(-np.asarray(seq_lens) // BS)
+  out = []
+  for p, (r0, r1) in enumerate(np.asarray(plan.part_rows)):
+    beg, end = p * chunk, min((p + 1) * chunk, rs[-1])
+    segs = []
+    for row in range(r0, r1):
+      lo = int(np.clip(beg - rs[row], 0, nblk[row]))
+      hi = int(np.clip(end - rs[row], lo, nblk[row]))
+      if hi > lo:
+        segs.append((row, lo, hi - lo, p - rs[row] // chunk))
+    out.append(segs)
+  return out
+
+
+@pytest.mark.parametrize(
+    "seq_lens,splits,ctas",
+    [
+        ([BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS], 3, 4),
+        ([0, 0, 7], 2, 132),
+        ([4096, 131072, 1, 0, 65 * BS, 700], 16, 264),
+        ([BS] * 40, 2, 8),
+    ],
+)
+def test_plan_parts_are_balanced_and_cover_every_block_once(seq_lens, splits, ctas):
+  lens = jnp.asarray(seq_lens, jnp.int32)
+  config = MLADecodeConfig(num_splits=splits, ctas_per_sm=1, min_chunk_blocks=1)
+  plan = jax.jit(lambda s: mla_decode_plan(s, num_heads=64, config=config, num_sms=ctas))(lens)
+  nblk = -(-np.asarray(seq_lens) // BS)
+  total = int(nblk.sum())
+  chunk = int(plan.chunk[0])
+  bounds = np.asarray(plan.bounds)
+  # Equal parts: the total over the parts, unless a row would need more splits.
+  want = max(-(-total // plan.num_parts), 1, -(-int(nblk.max()) // (splits - 1)))
+  assert chunk == want
+  seen = np.zeros((len(seq_lens), int(nblk.max()) + 1), np.int32)
+  for p, segs in enumerate(_segments(plan, seq_lens)):
+    assert sum(n for _, _, n, _ in segs) <= chunk
+    for row, lo, n, split in segs:
+      assert 0 <= split < splits
+      # The split's blocks are exactly what the plan's bounds say.
+      assert (bounds[row, split], bounds[row, split + 1]) == (lo, lo + n)
+      seen[row, lo:lo + n] += 1
+  for row, k in enumerate(nblk):
+    np.testing.assert_array_equal(seen[row, :k], 1)
+    assert (seen[row, k:] == 0).all()
+  np.testing.assert_array_equal(bounds[:, -1], nblk)
+
+
+def test_parts_spanning_rows_match_reference_and_stay_nan_safe():
+  """Parts that hold the end of one row, whole rows (one empty) and the start of
+  another; a row cut mid-way into two splits; poisoned tails and null block."""
+  seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS]
+  q, cache, table, lens = _problem(11, seq_lens, 16)
+  config = MLADecodeConfig(num_splits=3, ctas_per_sm=1, min_chunk_blocks=1)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=16, config=config, num_sms=4)
+  segs = _segments(plan, seq_lens)
+  assert max(len(s) for s in segs) >= 3  # a part runs several rows
+  assert len({(r, sp) for part in segs for r, _, _, sp in part if r == 1}) == 2  # row 1 is cut
+  poisoned, _ = _poison(cache, table, lens)
+  clean_ref = _ref(q, cache, table, lens)
+
+  def run(c, mode):
+    return mla_decode(
+        q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+        sm_scale=SCALE, mask_mode=mode, plan=plan, interpret=FAST,
+    )
+
+  _assert_close(run(cache, "select"), clean_ref)
+  sel = run(poisoned, "select")
+  _assert_close(sel, clean_ref)
+  out, lse = run(poisoned, "multiply")
+  nan_rows = np.array([s % BS != 0 for s in seq_lens])
+  np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2)), nan_rows)
+  assert not np.isnan(np.asarray(lse)).any()
+
+
+def test_merge_kernel_matches_combine_and_reads_only_live_splits():
+  from jaxkv.kernels.mla_decode.merge import build_merge
+
+  rng = np.random.default_rng(12)
+  batch, splits, heads = 5, 3, 128
+  o = jnp.asarray(rng.standard_normal((batch, splits, heads, 512)), jnp.float32)
+  lse = jnp.asarray(rng.standard_normal((batch, splits, heads)) * 3, jnp.float32)
+  live = jnp.asarray([3, 1, 0, 2, 1], jnp.int32)
+  dead = np.arange(splits)[None, :] >= np.asarray(live)[:, None]
+  # Dead slots are never written by the decode kernel: NaN must not leak.
+  o_bad = jnp.where(jnp.asarray(dead)[..., None, None], jnp.nan, o)
+  lse_bad = jnp.where(jnp.asarray(dead)[..., None], jnp.nan, lse)
+  merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
+                      out_dtype=jnp.bfloat16, interpret=RACES)
+  out, lse_out = merge(live, o_bad, lse_bad)
+  want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
+  assert out.dtype == jnp.bfloat16
+  out32 = np.asarray(out, np.float32)
+  err = np.linalg.norm(out32 - np.asarray(want)) / np.linalg.norm(np.asarray(want))
+  assert err < 5e-3, err
+  np.testing.assert_allclose(np.asarray(lse_out), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+  assert (out32[2] == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()

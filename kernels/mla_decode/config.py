@@ -16,16 +16,17 @@ class MLADecodeConfig:
   """Static split-KV parameters (hashable; a jit static argument).
 
   Attributes:
-    num_splits: the grid's splits per (row, head group): an upper bound, the
-      plan leaves the excess empty.
-    ctas_per_sm: CTAs of work the plan aims at per multiprocessor; more
-      balances varied lengths better, fewer writes fewer partial results.
-    min_chunk_blocks: the fewest blocks a split reads (amortises the query
-      load, the pipeline fill and the partial-result write).
+    num_splits: the most partial results (splits) one row may be cut into;
+      the plan makes its parts longer rather than cut a row more often.
+      1 never cuts a row (one part, one CTA per head group, holds them all).
+    ctas_per_sm: CTAs (parts x head groups) the plan aims at per
+      multiprocessor.
+    min_chunk_blocks: the fewest blocks a part holds (amortises the query
+      loads, the pipeline fill and the partial-result writes of short steps).
   """
 
   num_splits: int = 1
-  ctas_per_sm: int = 2
+  ctas_per_sm: int = 1
   min_chunk_blocks: int = 8
 
   def __post_init__(self):
@@ -38,28 +39,33 @@ class MLADecodeConfig:
 
 
 def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADecodeConfig:
-  """A config for any device: enough splits to give every SM one CTA of work.
+  """A config for any device: one CTA per SM, rows cut as often as balance needs.
 
-  One CTA's worth per SM with chunks of at least 32 blocks measured 5-30%
-  faster than two on the H200 (fewer partial outputs to write and merge);
-  see kernels/mla_decode/NOTES.md.
+  With `P` parts per head group, a row of average length spans about
+  `P / batch + 1` parts; rows up to 1.5x the average fit `num_splits`
+  without lengthening the parts. The merge reads every split slot, so no
+  more are reserved than that.
   """
   head_groups = -(-num_heads // 64)
-  ctas_per_sm = 1
-  splits = -(-2 * ctas_per_sm * num_sms // max(batch * head_groups, 1))
+  parts = max(1, num_sms // head_groups)
+  splits = -(-3 * parts // (2 * max(batch, 1))) + 2
   return MLADecodeConfig(
-      num_splits=max(1, min(splits, MAX_SPLITS)),
-      ctas_per_sm=ctas_per_sm,
-      min_chunk_blocks=32,
+      num_splits=max(2, min(splits, parts + 1, MAX_SPLITS)),
+      ctas_per_sm=1,
+      min_chunk_blocks=16,
   )
 
 
 def config_from_entries(
     entries: list[dict[str, Any]], *, batch: int, num_heads: int
 ) -> MLADecodeConfig | None:
-  """The first tuned entry whose `max_batch` / `heads` match, as a config."""
+  """The first tuned entry whose batch range and `heads` match, as a config.
+
+  An entry matches `min_batch <= batch <= max_batch` (`min_batch` defaults
+  to 1) and `num_heads in heads`.
+  """
   for entry in entries:
-    if batch <= entry["max_batch"] and num_heads in entry["heads"]:
+    if entry.get("min_batch", 1) <= batch <= entry["max_batch"] and num_heads in entry["heads"]:
       return MLADecodeConfig(**entry["config"])
   return None
 

@@ -1,7 +1,12 @@
-"""The split-KV plan of dense MLA decode: which blocks each (row, split) CTA reads.
+"""The split-KV plan of dense MLA decode: which blocks each CTA reads.
 
 Computed once per decode step from `seq_lens` (inside jit) and reused by every
-layer, like FlashMLA's tile-scheduler metadata.
+layer, like FlashMLA's tile-scheduler metadata. All rows' blocks are laid end
+to end and cut into equal contiguous parts, one CTA per part and head group,
+so every CTA carries the same number of blocks whatever the mix of lengths.
+A part may hold the end of one row, whole rows and the start of another; a
+row cut by part boundaries yields one partial result per part (its splits),
+merged afterwards by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -18,20 +23,34 @@ from .config import MLADecodeConfig, default_config
 
 
 class MLADecodePlan(NamedTuple):
-  """Block boundaries of every split.
+  """The work of every CTA and the splits of every row.
 
   Attributes:
     bounds: `[batch, num_splits + 1]` int32, non-decreasing per row, from 0 to
       the row's block count `ceil(seq_len / block_size)`: split `j` of row `b`
-      reads the row's blocks `[bounds[b, j], bounds[b, j + 1])` (none when
-      equal). The number of splits is static: `bounds.shape[1] - 1`.
+      covers the row's blocks `[bounds[b, j], bounds[b, j + 1])` (none when
+      equal; an empty split has no partial result). The maximum number of
+      splits of a row is static: `bounds.shape[1] - 1`.
+    row_start: `[batch + 1]` int32: where each row's blocks start when all
+      rows are laid end to end (the last entry is the step's total).
+    part_rows: `[num_parts, 2]` int32: the rows `[first, end)` that part `p`
+      (blocks `[p * chunk, (p + 1) * chunk)` of the concatenation) touches.
+      The number of parts is static: `part_rows.shape[0]`.
+    chunk: `[1]` int32: blocks per part.
   """
 
   bounds: Int[Array, f"{BATCH} splits_plus_one"]
+  row_start: Int[Array, "batch_plus_one"]
+  part_rows: Int[Array, "parts 2"]
+  chunk: Int[Array, "1"]
 
   @property
   def num_splits(self) -> int:
     return self.bounds.shape[1] - 1
+
+  @property
+  def num_parts(self) -> int:
+    return self.part_rows.shape[0]
 
 
 def mla_decode_plan(
@@ -42,20 +61,21 @@ def mla_decode_plan(
     config: MLADecodeConfig | None = None,
     num_sms: int = 132,
 ) -> MLADecodePlan:
-  """Splits every row's blocks so that the grid's CTAs carry similar work.
+  """Cuts the step's blocks into equal parts, one CTA of work each.
 
-  The chunk (blocks per split) is the same for every row: the total work of
-  the step divided over `config.ctas_per_sm * num_sms` CTAs, at least
-  `config.min_chunk_blocks`, and large enough that no row needs more than
-  `config.num_splits` splits. Short rows get fewer (possibly one) non-empty
-  splits; a row with `seq_len == 0` gets none.
+  Parts: `config.ctas_per_sm * num_sms` CTAs shared by the head groups of 64
+  (and never more than `batch * num_splits`, which no plan could fill). The
+  chunk (blocks per part) is the step's total over the parts, at least
+  `config.min_chunk_blocks`, and large enough that no row is cut into more
+  than `config.num_splits` splits; with `num_splits == 1` no row is cut at
+  all (one part holds every row). A row with `seq_len == 0` has no split.
 
   Args:
     seq_lens: `[batch]` int32 (may be traced).
     num_heads: query heads (sets the head groups of 64 per row).
     block_size: slots per cache block.
-    config: tuning config; the heuristic default for this batch and heads
-      when None.
+    config: tuning config; the tuned or heuristic default for this batch and
+      heads when None.
     num_sms: multiprocessors of the device.
 
   Returns:
@@ -67,11 +87,30 @@ def mla_decode_plan(
   with jax.named_scope("jaxkv.mla_decode_plan"):
     head_groups = -(-num_heads // 64)
     splits = config.num_splits
+    parts = max(1, min(config.ctas_per_sm * num_sms // head_groups, batch * splits))
     nblk = (jnp.maximum(seq_lens, 0) + block_size - 1) // block_size
-    total = jnp.sum(nblk) * head_groups
-    ctas = config.ctas_per_sm * num_sms
-    chunk = jnp.maximum((total + ctas - 1) // ctas, config.min_chunk_blocks)
-    chunk_b = jnp.maximum(chunk, (nblk + splits - 1) // splits)  # [batch]
+    ends = jnp.cumsum(nblk).astype(jnp.int32)
+    starts = ends - nblk
+    total = ends[-1]
+    if splits == 1:
+      chunk = jnp.maximum(total, 1)
+    else:
+      chunk = jnp.maximum(
+          jnp.maximum((total + parts - 1) // parts, config.min_chunk_blocks),
+          (jnp.max(nblk) + splits - 2) // (splits - 1),
+      )
+    # Split j of row b is its share of part (starts[b] // chunk + j).
     j = jnp.arange(splits + 1, dtype=jnp.int32)[None, :]
-    bounds = jnp.minimum(j * chunk_b[:, None], nblk[:, None])
-    return MLADecodePlan(bounds.astype(jnp.int32))
+    first = (starts // chunk)[:, None]
+    bounds = jnp.clip((first + j) * chunk - starts[:, None], 0, nblk[:, None])
+    # Rows touching part p: those ending after its start and starting before
+    # its end (empty rows inside are skipped by the kernel).
+    p = jnp.arange(parts, dtype=jnp.int32)[:, None]
+    lo = jnp.sum(ends[None, :] <= p * chunk, axis=1)
+    hi = jnp.sum(starts[None, :] < jnp.minimum((p + 1) * chunk, total), axis=1)
+    part_rows = jnp.stack([lo, jnp.maximum(hi, lo)], axis=1).astype(jnp.int32)
+    row_start = jnp.concatenate([starts, total[None]]).astype(jnp.int32)
+    return MLADecodePlan(
+        bounds.astype(jnp.int32), row_start, part_rows,
+        jnp.reshape(chunk, (1,)).astype(jnp.int32),
+    )

@@ -20,6 +20,7 @@ from jaxkv._types import (
 from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 
 from . import kernel as _kernel
+from . import merge as _merge
 from .combine import combine_splits
 from .config import MLADecodeConfig
 from .plan import MLADecodePlan, mla_decode_plan
@@ -63,6 +64,13 @@ def _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, co
     b = plan.bounds
     if b.ndim != 2 or b.shape[0] != batch or b.shape[1] < 2 or b.dtype != jnp.int32:
       raise ValueError(f"{plan.bounds.shape=} {plan.bounds.dtype=} must be [{batch}, splits + 1] int32")
+    if plan.row_start.shape != (batch + 1,) or plan.row_start.dtype != jnp.int32:
+      raise ValueError(f"{plan.row_start.shape=} {plan.row_start.dtype=} must be [{batch + 1}] int32")
+    pr = plan.part_rows
+    if pr.ndim != 2 or pr.shape[0] < 1 or pr.shape[1] != 2 or pr.dtype != jnp.int32:
+      raise ValueError(f"{plan.part_rows.shape=} {plan.part_rows.dtype=} must be [parts, 2] int32")
+    if plan.chunk.shape != (1,) or plan.chunk.dtype != jnp.int32:
+      raise ValueError(f"{plan.chunk.shape=} {plan.chunk.dtype=} must be [1] int32")
   if config is not None and not isinstance(config, MLADecodeConfig):
     raise ValueError(f"config must be an MLADecodeConfig, got {type(config)}")
 
@@ -113,14 +121,14 @@ def mla_decode(
     if plan is None:
       plan = mla_decode_plan(seq_lens, num_heads=q.shape[1], block_size=cache.shape[1], config=config)
     return _mla_decode(
-        q, cache, block_table, seq_lens, plan.bounds,
+        q, cache, block_table, seq_lens, plan,
         sm_scale=float(sm_scale), select=mask_mode == "select",
         interpret=interpret,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "select", "interpret"))
-def _mla_decode(q, cache, block_table, seq_lens, bounds, *, sm_scale, select, interpret):
+def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -128,13 +136,31 @@ def _mla_decode(q, cache, block_table, seq_lens, bounds, *, sm_scale, select, in
   if heads_padded != heads:
     q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
   seq = jnp.clip(seq_lens, 0, max_blocks * block_size)
-  nblk = (seq + block_size - 1) // block_size
-  # A stale or foreign plan must not walk past a row's own blocks.
-  bounds = jnp.clip(bounds, 0, nblk[:, None])
+  # A stale or foreign plan must not walk past a row's own blocks or the
+  # outputs: the kernel clips every segment to the row's blocks, and the
+  # rows and chunk are clipped here.
+  part_rows = jnp.clip(plan.part_rows, 0, batch)
+  chunk = jnp.maximum(plan.chunk, 1)
   call = _kernel.build_kernel(
-      batch=batch, heads_padded=heads_padded, num_splits=bounds.shape[1] - 1,
-      block_size=block_size, sm_scale=sm_scale, select=select, interpret=interpret,
+      batch=batch, heads_padded=heads_padded, num_parts=part_rows.shape[0],
+      num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
+      select=select, interpret=interpret,
   )
-  o, lse = call(q, cache, block_table, seq, bounds)
-  out, lse = combine_splits(o, lse)
-  return out[:, :heads].astype(q.dtype), lse[:, :heads]
+  o, lse = call(q, cache, block_table, seq, plan.row_start, part_rows, chunk)
+  # A row's live splits (those a segment produced) are its first ones; the
+  # merge reads those alone, never the unwritten rest.
+  nblk = (seq + block_size - 1) // block_size
+  bounds = jnp.clip(plan.bounds, 0, nblk[:, None])
+  is_live = bounds[:, 1:] > bounds[:, :-1]
+  if plan.num_splits > _merge.MAX_SPLITS:
+    # Few rows, many splits (most of them live): the merge kernel's one CTA
+    # per row would walk them one by one; XLA's fused merge reads them all
+    # at once.
+    out, lse = combine_splits(o, jnp.where(is_live[..., None], lse, -jnp.inf))
+    return out[:, :heads].astype(q.dtype), lse[:, :heads]
+  merge = _merge.build_merge(
+      batch=batch, num_splits=plan.num_splits, heads_padded=heads_padded,
+      dv=o.shape[-1], out_dtype=q.dtype, interpret=interpret,
+  )
+  out, lse = merge(jnp.sum(is_live, axis=1).astype(jnp.int32), o, lse)
+  return out[:, :heads], lse[:, :heads]

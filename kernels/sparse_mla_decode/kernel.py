@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels.mla_decode.kernel import NUM_THREADS, launch_splits
+from jaxkv.kernels.mla_decode.kernel import NUM_THREADS, launch, split_outputs
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
 HEAD_DIM = 576
@@ -357,11 +357,11 @@ def build_kernel(
   # No automatic barriers (they cost the producer 32 copies and 9 stores'
   # worth per tile): each cross-thread hazard above is ordered by an explicit
   # commit_smem or an mbarrier, and no thread reads SMEM that it wrote.
-  return launch_splits(
+  return launch(
       sparse_mla_decode_kernel,
-      batch=batch,
-      num_splits=num_splits,
-      heads_padded=heads_padded,
+      grid=(batch, num_splits, heads_padded // HEAD_TILE),
+      grid_names=("b", "s", "g"),
+      out_type=split_outputs(batch, num_splits, heads_padded),
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
   )
