@@ -371,3 +371,10 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits():
   assert err < 5e-3, err
   np.testing.assert_allclose(np.asarray(lse_out), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
   assert (out32[2] == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
+
+
+def test_all_rows_empty():
+  q, cache, table, lens = _problem(13, [0, 0, 0], 64)
+  out, lse = _run(q, cache, table, lens, splits=3)
+  assert (np.asarray(out, np.float32) == 0).all()
+  assert (np.asarray(lse) == -np.inf).all()
