@@ -361,9 +361,13 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits():
   # Dead slots are never written by the decode kernel: NaN must not leak.
   o_bad = jnp.where(jnp.asarray(dead)[..., None, None], jnp.nan, o)
   lse_bad = jnp.where(jnp.asarray(dead)[..., None], jnp.nan, lse)
+  # Bounds whose first `live` splits hold a block each, clipped by the lengths.
+  bounds = jnp.minimum(jnp.arange(splits + 1)[None, :] + jnp.asarray([0, 0, 0, 0, 2])[:, None],
+                       (live + jnp.asarray([0, 0, 0, 0, 2]))[:, None]).astype(jnp.int32)
+  seq_lens = (live + jnp.asarray([0, 0, 0, 0, 2])) * BS - 5
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
-                      out_dtype=jnp.bfloat16, interpret=RACES)
-  out, lse_out = merge(live, o_bad, lse_bad)
+                      max_tokens=10 * BS, block_size=BS, out_dtype=jnp.bfloat16, interpret=RACES)
+  out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16
   out32 = np.asarray(out, np.float32)

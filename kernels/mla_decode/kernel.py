@@ -74,7 +74,7 @@ def build_kernel(
   Returns a function `(q, cache, block_table, seq_lens, row_start, part_rows,
   chunk) -> (o, lse)` with q `[batch, heads_padded, 576]` bf16, cache
   `[num_blocks, 64, 576]` bf16, block_table `[batch, max_blocks]` int32,
-  seq_lens `[batch]` int32 (clamped to the table), row_start `[batch + 1]`
+  seq_lens `[batch]` int32 (clipped here to the table), row_start `[batch + 1]`
   int32 (each row's first block in the step's concatenation of rows),
   part_rows `[num_parts, 2]` int32 (the rows `[first, end)` a part touches),
   chunk `[1]` int32 (blocks per part), o `[batch, num_splits, heads_padded,
@@ -99,19 +99,25 @@ def build_kernel(
   ):
     g = lax.axis_index("g")
     part = lax.axis_index("p")
-    chunk = chunk_ref[0]
+    # A stale or foreign plan must not walk past a row's own blocks, the
+    # table or the outputs: every plan value is clipped here, where it costs
+    # a few scalar instructions instead of XLA launches per call.
+    max_tokens = table_ref.shape[1] * block_size
+    chunk = jnp.maximum(chunk_ref[0], 1)
     beg = part * chunk
     end = jnp.minimum(beg + chunk, row_start_ref[batch])
-    row_lo = part_rows_ref[part, 0]
-    row_hi = part_rows_ref[part, 1]
+    row_lo = jnp.clip(part_rows_ref[part, 0], 0, batch)
+    row_hi = jnp.clip(part_rows_ref[part, 1], row_lo, batch)
     head0 = g * HEAD_TILE
     heads = pl.ds(head0, HEAD_TILE)
+
+    def seq_len(row):
+      return jnp.clip(seq_lens_ref[row], 0, max_tokens)
 
     def segment(row):
       """The row's blocks in this part: (first block, count, split index)."""
       rs = row_start_ref[row]
-      # Never past the row's own blocks, whatever the plan says.
-      nblk = (seq_lens_ref[row] + block_size - 1) // block_size
+      nblk = (seq_len(row) + block_size - 1) // block_size
       lo = jnp.clip(beg - rs, 0, nblk)
       hi = jnp.clip(end - rs, lo, nblk)
       split = jnp.clip(part - rs // chunk, 0, num_splits - 1)
@@ -227,7 +233,7 @@ def build_kernel(
             # Slots of this block that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block) is masked by select in
             # both modes.
-            n_valid = seq_lens_ref[row] - (lo + i) * block_size
+            n_valid = seq_len(row) - (lo + i) * block_size
             col = plgpu.broadcasted_iota(
                 jnp.int32, (HEAD_TILE, SLOT_HALF), 1, layout=plgpu.Layout.WGMMA
             )

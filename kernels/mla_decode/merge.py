@@ -28,24 +28,37 @@ MAX_SPLITS = 32
 _LOG2E = 1.4426950408889634
 
 
-def build_merge(*, batch: int, num_splits: int, heads_padded: int, dv: int, out_dtype, interpret):
-  """Returns `(live, o, lse) -> (out, lse_out)`.
+def build_merge(
+    *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
+    block_size: int, out_dtype, interpret,
+):
+  """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`.
 
-  live `[batch]` int32: the row's live splits, which are its first `live`
-  ones; o `[batch, num_splits, heads_padded, dv]` f32 and lse `[batch,
-  num_splits, heads_padded]` f32 (read only where live); out `[batch,
+  seq_lens `[batch]` int32 (clipped here to `[0, max_tokens]`) and bounds
+  `[batch, num_splits + 1]` int32 (the plan's, clipped here to the row's
+  blocks) give each row's live splits: the non-empty ones, which are its
+  first ones. o `[batch, num_splits, heads_padded, dv]` f32 and lse `[batch,
+  num_splits, heads_padded]` f32 are read only where live; out `[batch,
   heads_padded, dv]` in out_dtype (0 for a row with no live split) and
   lse_out `[batch, heads_padded]` f32 (-inf there).
   """
   assert dv % COLS == 0 and heads_padded % HEAD_TILE == 0
 
-  def merge_kernel(live_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
+  def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
     b = lax.axis_index("b")
     g = lax.axis_index("g")
     c = lax.axis_index("c")
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     cols = pl.ds(c * COLS, COLS)
-    n = jnp.clip(live_ref[b], 0, num_splits)
+    nblk = (jnp.clip(seq_ref[b], 0, max_tokens) + block_size - 1) // block_size
+
+    def bound(j):
+      return jnp.clip(bounds_ref[b, j], 0, nblk)
+
+    n = lax.fori_loop(
+        0, num_splits, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
+        jnp.int32(0),
+    )
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(j):

@@ -135,32 +135,29 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
   if heads_padded != heads:
     q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
-  seq = jnp.clip(seq_lens, 0, max_blocks * block_size)
-  # A stale or foreign plan must not walk past a row's own blocks or the
-  # outputs: the kernel clips every segment to the row's blocks, and the
-  # rows and chunk are clipped here.
-  part_rows = jnp.clip(plan.part_rows, 0, batch)
-  chunk = jnp.maximum(plan.chunk, 1)
+  # The kernels clip every plan value and length themselves (a stale or
+  # foreign plan cannot walk past a row's blocks): no XLA op per call.
   call = _kernel.build_kernel(
-      batch=batch, heads_padded=heads_padded, num_parts=part_rows.shape[0],
+      batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret,
   )
-  o, lse = call(q, cache, block_table, seq, plan.row_start, part_rows, chunk)
-  # A row's live splits (those a segment produced) are its first ones; the
-  # merge reads those alone, never the unwritten rest.
-  nblk = (seq + block_size - 1) // block_size
-  bounds = jnp.clip(plan.bounds, 0, nblk[:, None])
-  is_live = bounds[:, 1:] > bounds[:, :-1]
+  o, lse = call(q, cache, block_table, seq_lens, plan.row_start, plan.part_rows, plan.chunk)
   if plan.num_splits > _merge.MAX_SPLITS:
     # Few rows, many splits (most of them live): the merge kernel's one CTA
     # per row would walk them one by one; XLA's fused merge reads them all
-    # at once.
+    # at once. Splits no segment produced were never written: weight 0.
+    nblk = (jnp.clip(seq_lens, 0, max_blocks * block_size) + block_size - 1) // block_size
+    bounds = jnp.clip(plan.bounds, 0, nblk[:, None])
+    is_live = bounds[:, 1:] > bounds[:, :-1]
     out, lse = combine_splits(o, jnp.where(is_live[..., None], lse, -jnp.inf))
     return out[:, :heads].astype(q.dtype), lse[:, :heads]
+  # A row's live splits are its first ones; the merge reads those alone,
+  # never the unwritten rest.
   merge = _merge.build_merge(
       batch=batch, num_splits=plan.num_splits, heads_padded=heads_padded,
-      dv=o.shape[-1], out_dtype=q.dtype, interpret=interpret,
+      dv=o.shape[-1], max_tokens=max_blocks * block_size, block_size=block_size,
+      out_dtype=q.dtype, interpret=interpret,
   )
-  out, lse = merge(jnp.sum(is_live, axis=1).astype(jnp.int32), o, lse)
+  out, lse = merge(seq_lens, plan.bounds, o, lse)
   return out[:, :heads], lse[:, :heads]
