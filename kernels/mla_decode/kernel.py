@@ -303,15 +303,7 @@ def build_kernel(
               q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA)
             else:
               q_rope = q_rope_smem
-            m_i = plgpu.layout_cast(
-                jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout
-            )
-            l_i = plgpu.layout_cast(
-                jnp.full((HEAD_TILE,), 0.0, jnp.float32), row_layout
-            )
-            acc = plgpu.layout_cast(
-                jnp.full((HEAD_TILE, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA
-            )
+            acc, m_i, l_i = softmax_start(HALF)
             step = functools.partial(
                 kv_step, row=row, lo=lo, steps=steps, q_rope=q_rope
             )
@@ -374,6 +366,21 @@ def build_kernel(
       kernel_name="jaxkv_mla_decode",
       interpret=interpret,
   )
+
+
+def softmax_start(cols):
+  """The online softmax's start for 64 rows, in wgmma layouts.
+
+  Returns `(acc, m, l)`: the `[64, cols]` float32 accumulator (0), the row
+  maxima (-inf) and the row sums (0).
+  """
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
+  l = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), row_layout)
+  acc = plgpu.layout_cast(
+      jnp.full((HEAD_TILE, cols), 0.0, jnp.float32), plgpu.Layout.WGMMA
+  )
+  return acc, m, l
 
 
 def split_outputs(batch, num_splits, heads_padded):

@@ -17,7 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-HEAD_TILE = 64
+from .kernel import HEAD_TILE, softmax_start
+
 COLS = 128  # value channels per CTA
 # Beyond this many splits per row the wrapper merges with XLA instead: the
 # kernel walks a row's splits one after another (measured on the H200, end
@@ -87,10 +88,7 @@ def build_merge(
 
     # A live split has a finite LSE (it read at least one slot), so the
     # first one sets m finite and alpha never sees -inf - -inf.
-    acc0 = plgpu.layout_cast(jnp.full((HEAD_TILE, COLS), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    m0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
-    l0 = plgpu.layout_cast(jnp.full((HEAD_TILE,), 0.0, jnp.float32), row_layout)
-    acc, m, l = lax.fori_loop(0, n, step, (acc0, m0, l0))
+    acc, m, l = lax.fori_loop(0, n, step, softmax_start(COLS))
     has = l > 0.0
     inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
     out_ref[b, heads, cols] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)

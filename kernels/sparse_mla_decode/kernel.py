@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels.mla_decode.kernel import NUM_THREADS, launch, split_outputs
+from jaxkv.kernels.mla_decode.kernel import NUM_THREADS, launch, softmax_start, split_outputs
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
 HEAD_DIM = 576
@@ -220,15 +220,7 @@ def build_kernel(
         plgpu.set_max_registers(CONSUMER_REGS, action="increase")
         col_layout = plgpu.Layout.WGMMA.reduce(0)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m_i = plgpu.layout_cast(
-            jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout
-        )
-        l_i = plgpu.layout_cast(
-            jnp.full((HEAD_TILE,), 0.0, jnp.float32), row_layout
-        )
-        acc = plgpu.layout_cast(
-            jnp.full((HEAD_TILE, HALF), 0.0, jnp.float32), plgpu.Layout.WGMMA
-        )
+        acc, m_i, l_i = softmax_start(HALF)
         plgpu.barrier_wait(q_bar)
 
         def load_idx(tile):
