@@ -319,15 +319,10 @@ def build_kernel(
             sync_consumers()
             l_i = l_own + other_rows()
             sync_consumers()
-            has = l_i > 0.0
-            inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-            o_ref[row, split, heads, pl.ds(wg * HALF, HALF)] = (
-                acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            )
+            o, lse = softmax_finish(acc, m_i, l_i)
+            o_ref[row, split, heads, pl.ds(wg * HALF, HALF)] = o
             if wg == 0:
-              lse_ref[row, split, heads] = jnp.where(
-                  has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf
-              )
+              lse_ref[row, split, heads] = lse
 
           return steps + n
 
@@ -381,6 +376,19 @@ def softmax_start(cols):
       jnp.full((HEAD_TILE, cols), 0.0, jnp.float32), plgpu.Layout.WGMMA
   )
   return acc, m, l
+
+
+def softmax_finish(acc, m, l):
+  """The online softmax's end: `(acc / l, natural-log LSE)` for `m` in log2 units.
+
+  Rows with no weight (`l == 0`) get O = 0 times acc (so NaN accumulated in
+  "multiply" mode stays NaN) and LSE = -inf.
+  """
+  has = l > 0.0
+  inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+  o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+  lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) / _LOG2E, -jnp.inf)
+  return o, lse
 
 
 def split_outputs(batch, num_splits, heads_padded):

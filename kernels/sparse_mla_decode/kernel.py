@@ -40,7 +40,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels.mla_decode.kernel import NUM_THREADS, launch, softmax_start, split_outputs
+from jaxkv.kernels.mla_decode.kernel import (
+    NUM_THREADS,
+    launch,
+    softmax_finish,
+    softmax_start,
+    split_outputs,
+)
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
 HEAD_DIM = 576
@@ -287,17 +293,11 @@ def build_kernel(
         # overwrites the (aliased) main-loop buffers.
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
-        l_tot = l_i
-        has = l_tot > 0.0
-        # A split without a valid index has inv = 0: O = 0, except that NaN
+        # A split without a valid index gets O = 0, except that NaN
         # accumulated in "multiply" mode stays NaN, so that merging it into
         # another split of the row poisons that row as the reference says.
         # The wrapper writes 0 where no split of a row had a valid index.
-        inv = jnp.where(has, 1.0 / jnp.where(has, l_tot, 1.0), 0.0)
-        o_stage[wg] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        lse = jnp.where(
-            has, (m_i + jnp.log2(jnp.where(has, l_tot, 1.0))) / _LOG2E, -jnp.inf
-        )
+        o_stage[wg], lse = softmax_finish(acc, m_i, l_i)
 
         @pl.when(wg == 0)
         def _():
