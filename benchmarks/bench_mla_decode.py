@@ -79,10 +79,14 @@ def gather_ceiling(cache, tables, bounds):
   return [f(cache, t, bounds) for t in tables]
 
 
-def make_problem(rng, batch, heads, mean_ctx, copies):
+def make_lens(rng, batch, mean_ctx):
   lo, hi = max(1, mean_ctx // 2), mean_ctx * 3 // 2
-  lens = rng.integers(lo, hi + 1, size=batch).astype(np.int32) if batch > 1 else np.array([mean_ctx], np.int32)
-  nblk = -(-lens // BS)
+  return rng.integers(lo, hi + 1, size=batch).astype(np.int32) if batch > 1 else np.array([mean_ctx], np.int32)
+
+
+def make_problem(rng, lens, heads, copies, bs=BS):
+  batch = len(lens)
+  nblk = -(-lens // bs)
   max_blocks = int(nblk.max())
   per_copy = int(nblk.sum())
   num_blocks = 1 + per_copy * copies
@@ -97,7 +101,7 @@ def make_problem(rng, batch, heads, mean_ctx, copies):
       off += nblk[b]
     tables.append(jnp.asarray(t))
   key = jax.random.key(int(rng.integers(1 << 30)))
-  cache = jax.random.normal(key, (num_blocks, BS, D), jnp.bfloat16)
+  cache = jax.random.normal(key, (num_blocks, bs, D), jnp.bfloat16)
   q = jax.random.normal(jax.random.fold_in(key, 1), (batch, heads, D), jnp.bfloat16)
   return q, cache, tables, jnp.asarray(lens)
 
@@ -109,9 +113,9 @@ def timed(fn, *args, iters=5):
   return float(np.median(per_iter)), t[len(t) // 2]
 
 
-def table_for(rng, lens, num_blocks, max_blocks):
+def table_for(rng, lens, num_blocks, max_blocks, bs=BS):
   """Distinct random non-null blocks for each row's tokens, padded with 0."""
-  nblk = -(-np.asarray(lens) // BS)
+  nblk = -(-np.asarray(lens) // bs)
   ids = rng.permutation(np.arange(1, num_blocks))[: nblk.sum()]
   t = np.zeros((len(lens), max_blocks), np.int32)
   off = 0
@@ -159,14 +163,46 @@ def check_correctness(rng):
     print("  ", r)
   want_nan = [s % BS != 0 for s in lens_np]
   print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
-  return all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
+  ok = all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
+  return check_block_sizes(rng, cfg) and ok
 
 
-def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None):
+def check_block_sizes(rng, cfg):
+  """Block sizes 32 and 128: the reference, and NaN in every slot no row holds."""
+  ok = True
+  lens_np = [1, 31, 32, 33, 64, 65, 0, 157, 300]
+  lens = jnp.asarray(lens_np, jnp.int32)
+  for bs in (32, 128):
+    nb = 60 if bs == 32 else 20
+    cache = jax.random.normal(jax.random.key(bs), (nb, bs, D), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(bs + 1), (len(lens_np), 64, D), jnp.bfloat16)
+    table = table_for(rng, lens_np, nb, -(-300 // bs), bs=bs)
+    t_np = np.asarray(table)
+    held = np.zeros((nb, bs), bool)
+    for b, n in enumerate(lens_np):
+      for t in range(n):
+        held[t_np[b, t // bs], t % bs] = True
+    poisoned = jnp.where(jnp.asarray(held)[..., None], cache, jnp.nan)
+    clean, _ = mla_decode(q, cache, table, lens, sm_scale=0.05, config=cfg)
+    ro, _ = mla_decode_reference(q, cache, table, lens, sm_scale=0.05)
+    err = float(np.linalg.norm(np.asarray(clean, np.float32) - np.asarray(ro, np.float32))
+                / np.linalg.norm(np.asarray(ro, np.float32)))
+    sel, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, config=cfg)
+    mul, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, mask_mode="multiply", config=cfg)
+    nan_rows = np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2)).tolist()
+    want_nan = [n % min(bs, 64) != 0 for n in lens_np]
+    same = bool((np.asarray(sel) == np.asarray(clean)).all())
+    print(f"block {bs}: rel_err {err:.2e}; select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
+    ok = ok and err < 1e-2 and same and nan_rows == want_nan
+  return ok
+
+
+def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS):
   one = batch * mean_ctx * D * 2
   copies = max(1, math.ceil(3 * L2_BYTES / one))
-  q, cache, tables, lens = make_problem(rng, batch, heads, mean_ctx, copies)
-  plan = mla_decode_plan(lens, num_heads=heads, config=config)
+  lens_np = make_lens(rng, batch, mean_ctx)
+  q, cache, tables, lens = make_problem(rng, lens_np, heads, copies, bs=bs)
+  plan = mla_decode_plan(lens, num_heads=heads, block_size=bs, config=config)
   res = {}
   n_tok = int(lens.sum())
   bytes_ = q.size * 2 + n_tok * D * 2 + batch * heads * 512 * 2
@@ -181,19 +217,25 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None):
     if not res.get("names"):
       res["names"] = sorted({nm[:40] for nm, _ in names})
   g = jax.jit(lambda c, ts, bnd: gather_ceiling(c, ts, bnd))
-  ms, _ = timed(g, cache, tables, plan.bounds)
+  if bs != BS:  # the ceiling streams 64-slot blocks: the same bytes
+    _, cache64, tables64, _ = make_problem(rng, lens_np, heads, copies)
+    ms, _ = timed(g, cache64, tables64, plan.bounds)
+    del cache64
+  else:
+    ms, _ = timed(g, cache, tables, plan.bounds)
   res["gather"] = ms / copies
   if with_xla:
     fx = jax.jit(lambda q, c, t, s: mla_decode_reference(q, c, t, s, sm_scale=D**-0.5))
     ms, _ = timed(fx, q, cache, tables[0], lens, iters=3)
     res["xla"] = ms
-  return dict(batch=batch, heads=heads, ctx=mean_ctx, splits=plan.num_splits,
+  return dict(batch=batch, heads=heads, ctx=mean_ctx, bs=bs, splits=plan.num_splits,
               bytes=bytes_, flops=flops, **res)
 
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", nargs="*", default=None, help="batch:heads:ctx[:xla]")
+  ap.add_argument("--shapes", nargs="*", default=None,
+                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128]")
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -206,14 +248,15 @@ def main():
     parts = spec.split(":")
     b, h, c = map(int, parts[:3])
     modes = ("select", "multiply") if "mul" in parts else ("select",)
+    bs = next((int(x[2:]) for x in parts[3:] if x.startswith("bs")), BS)
     try:
-      r = bench_shape(rng, b, h, c, modes, "xla" in parts)
+      r = bench_shape(rng, b, h, c, modes, "xla" in parts, bs=bs)
     except Exception as e:  # keep measuring the other shapes
       print("FAILED", spec, repr(e)[:300], flush=True)
       continue
     out.append(r)
     print(r, flush=True)
-  print("\nbatch heads ctx splits | select ms TB/s TFLOP/s | kernel-only ms | multiply ms (kernel) sel/mul | gather ms TB/s | gather/sel | xla ms  x")
+  print("\nbatch heads ctx bs splits | select ms TB/s TFLOP/s | kernel-only ms | multiply ms (kernel) sel/mul | gather ms TB/s | gather/sel | xla ms  x")
   for r in out:
     ms = r["select"]
     tbs = r["bytes"] / ms / 1e9
@@ -222,7 +265,7 @@ def main():
     mul = (f"{r['multiply']:.3f} ({r['multiply_kernel']:.3f}) {ms / r['multiply']:.3f}"
            if "multiply" in r else "-")
     xla = f"{r['xla']:.3f} {r['xla'] / ms:.1f}x" if "xla" in r else "-"
-    print(f"{r['batch']:5d} {r['heads']:5d} {r['ctx']:6d} {r['splits']:4d} | {ms:.3f} {tbs:.2f} {tf:.0f} | "
+    print(f"{r['batch']:5d} {r['heads']:5d} {r['ctx']:6d} {r['bs']:3d} {r['splits']:4d} | {ms:.3f} {tbs:.2f} {tf:.0f} | "
           f"{r['select_kernel']:.3f} | {mul} | {r['gather']:.3f} {gtbs:.2f} | {r['gather'] / ms:.2f} | {xla}")
 
 

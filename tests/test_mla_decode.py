@@ -29,11 +29,11 @@ FAST = plgpu.InterpretGPUParams()
 TUNING = pathlib.Path(__file__).parents[1] / "configs/tuning/mla_decode/nvidia_h200.json"
 
 
-def _problem(seed, seq_lens, heads, max_blocks=None):
+def _problem(seed, seq_lens, heads, max_blocks=None, bs=BS):
   """Random q and cache; every row gets distinct random blocks (never 0)."""
   rng = np.random.default_rng(seed)
   batch = len(seq_lens)
-  nblk = [-(-s // BS) for s in seq_lens]
+  nblk = [-(-s // bs) for s in seq_lens]
   max_blocks = max_blocks or max(max(nblk), 1) + 1
   num_blocks = 1 + sum(nblk) + 3  # null block, rows' blocks, unused blocks
   ids = rng.permutation(np.arange(1, num_blocks))
@@ -43,16 +43,17 @@ def _problem(seed, seq_lens, heads, max_blocks=None):
     table[b, :k] = ids[used:used + k]
     used += k
   q = jnp.asarray(rng.standard_normal((batch, heads, 576)), jnp.bfloat16)
-  cache = rng.standard_normal((num_blocks, BS, 576)).astype(np.float32)
+  cache = rng.standard_normal((num_blocks, bs, 576)).astype(np.float32)
   return q, cache, table, np.asarray(seq_lens, np.int32)
 
 
 def _poison(cache, table, seq_lens):
   """NaN in every slot no row holds: tails, the null block, unused blocks."""
+  bs = cache.shape[1]
   bad = np.full(cache.shape[:2], True)
   for b, s in enumerate(seq_lens):
     for t in range(s):
-      bad[table[b, t // BS], t % BS] = False
+      bad[table[b, t // bs], t % bs] = False
   out = cache.copy()
   out[bad] = np.nan
   return out, bad
@@ -226,7 +227,8 @@ def test_configs_valid():
     [
         (dict(q=jnp.zeros((2, 4, 512), jnp.bfloat16)), "q.shape"),
         (dict(q=jnp.zeros((2, 4, 576), jnp.float32)), "q.dtype"),
-        (dict(cache=jnp.zeros((4, 32, 576), jnp.bfloat16)), "block_size"),
+        (dict(cache=jnp.zeros((4, 16, 576), jnp.bfloat16)), "block_size"),
+        (dict(cache=jnp.zeros((4, 96, 576), jnp.bfloat16)), "block_size"),
         (dict(cache=jnp.zeros((4, 64, 576), jnp.float16)), "cache.dtype"),
         (dict(block_table=jnp.zeros((3, 2), jnp.int32)), "block_table.shape"),
         (dict(block_table=jnp.zeros((2, 2), jnp.int64 if jax.config.x64_enabled else jnp.int16)), "block_table.dtype"),
@@ -366,7 +368,7 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits():
                        (live + jnp.asarray([0, 0, 0, 0, 2]))[:, None]).astype(jnp.int32)
   seq_lens = (live + jnp.asarray([0, 0, 0, 0, 2])) * BS - 5
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
-                      max_tokens=10 * BS, block_size=BS, out_dtype=jnp.bfloat16, interpret=RACES)
+                      max_tokens=10 * BS, tile=BS, out_dtype=jnp.bfloat16, interpret=RACES)
   out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16
@@ -382,3 +384,37 @@ def test_all_rows_empty():
   out, lse = _run(q, cache, table, lens, splits=3)
   assert (np.asarray(out, np.float32) == 0).all()
   assert (np.asarray(lse) == -np.inf).all()
+
+
+@pytest.mark.parametrize(
+    "bs,seq_lens,heads,max_blocks",
+    [
+        # The longest row ends in the first block of its last tile, and the
+        # table is exactly as wide as its blocks: the tile's second block
+        # would be past the table.
+        (32, [1, 31, 32, 33, 63, 64, 65, 0, 157], 16, 5),
+        (128, [1, 63, 64, 65, 127, 128, 129, 0, 3 * 128 - 5], 64, None),
+    ],
+)
+def test_block_sizes_32_and_128(bs, seq_lens, heads, max_blocks):
+  """Tiles of 64 slots over other block sizes: the reference in both modes, NaN
+  in tails, the null block and unused blocks; "multiply" reads unwritten slots
+  up to a multiple of min(block_size, 64) and never past a row's last block."""
+  q, cache, table, lens = _problem(21, seq_lens, heads, max_blocks=max_blocks, bs=bs)
+  assert cache.shape[1] == bs
+  poisoned, _ = _poison(cache, table, lens)
+  clean_ref = _ref(q, cache, table, lens)
+  _assert_close(_run(q, cache, table, lens, splits=2), clean_ref)
+  _assert_close(_run(q, poisoned, table, lens, splits=2), clean_ref)
+
+  unit = min(bs, 64)
+  nan_rows = np.array([s % unit != 0 for s in seq_lens])
+  assert nan_rows.any() and not nan_rows.all()
+  ref_out, _ = _ref(q, poisoned, table, lens, mask_mode="multiply")
+  np.testing.assert_array_equal(np.isnan(np.asarray(ref_out, np.float32)).any(axis=(1, 2)), nan_rows)
+  out, lse = _run(q, poisoned, table, lens, splits=2, mask_mode="multiply")
+  out = np.asarray(out, np.float32)
+  np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), nan_rows)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(clean_ref[1]), rtol=1e-3, atol=1e-3)
+  good = ~nan_rows
+  np.testing.assert_allclose(out[good], np.asarray(clean_ref[0], np.float32)[good], rtol=2e-2, atol=2e-2)

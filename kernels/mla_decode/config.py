@@ -21,7 +21,7 @@ class MLADecodeConfig:
       1 never cuts a row (one part, one CTA per head group, holds them all).
     ctas_per_sm: CTAs (parts x head groups) the plan aims at per
       multiprocessor.
-    min_chunk_blocks: the fewest blocks a part holds (amortises the query
+    min_chunk_blocks: the fewest 64-slot tiles a part holds (amortises the query
       loads, the pipeline fill and the partial-result writes of short steps).
   """
 

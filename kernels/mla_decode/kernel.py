@@ -1,18 +1,19 @@
 """Mosaic GPU body of dense paged MLA decode: persistent CTAs over balanced parts.
 
-The plan cuts the step's blocks, all rows laid end to end, into equal
+The plan cuts the step's tiles (64 slots: a cache block at block size 64,
+half of one at 128, two at 32), all rows laid end to end, into equal
 contiguous parts (FlashMLA's tile-scheduler metadata). One CTA per (part,
 head group) walks its part row segment by row segment: a segment is a row's
-blocks inside the part, and yields one normalised partial result (O and LSE)
+tiles inside the part, and yields one normalised partial result (O and LSE)
 of that row, its split. The two head groups of a part are adjacent CTAs, so
 the second reads its blocks from L2.
 
 Three warpgroups per CTA. Warpgroup 2 is the TMA producer: per segment it
 loads the row's 64-head query tile (once the consumers are done with the
-previous one) and streams the segment's KV blocks (one 64x576 block per step,
-three TMA copies of 256 + 256 + 64 channels) through a two-stage ring that
-runs on across segments. Warpgroups 0 and 1 consume and split every block two
-ways. Scores by slots: warpgroup w computes S_w = Q K^T for slots
+previous one) and streams the segment's KV tiles (one 64x576 tile per step,
+three TMA copies of 256 + 256 + 64 channels per cache block in it) through a
+two-stage ring that runs on across segments. Warpgroups 0 and 1 consume and
+split every tile (below: block) two ways. Scores by slots: warpgroup w computes S_w = Q K^T for slots
 [32w, 32w + 32) of the block ([64, 32], 576 deep); the two swap their row
 maxima through SMEM, so both rescale by the same running maximum, and each
 writes its 32 columns of P (bf16) into one shared [64, 64] tile. Values by
@@ -43,6 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
+TILE = 64  # slots per KV ring stage: the plan's unit (a block at block size 64)
+BLOCK_SIZES = (32, 64, 128)  # cache block sizes the kernel reads
 LATENT = 512
 ROPE = 64
 HALF = 256  # value channels per consumer warpgroup; also the TMA box limit
@@ -73,22 +76,30 @@ def build_kernel(
 
   Returns a function `(q, cache, block_table, seq_lens, row_start, part_rows,
   chunk) -> (o, lse)` with q `[batch, heads_padded, 576]` bf16, cache
-  `[num_blocks, 64, 576]` bf16, block_table `[batch, max_blocks]` int32,
-  seq_lens `[batch]` int32 (clipped here to the table), row_start `[batch + 1]`
-  int32 (each row's first block in the step's concatenation of rows),
-  part_rows `[num_parts, 2]` int32 (the rows `[first, end)` a part touches),
-  chunk `[1]` int32 (blocks per part), o `[batch, num_splits, heads_padded,
-  512]` f32 and lse `[batch, num_splits, heads_padded]` f32 (written only
-  where a segment exists).
+  `[num_blocks, block_size, 576]` bf16, block_table `[batch, max_blocks]`
+  int32, seq_lens `[batch]` int32 (clipped here to the table), row_start
+  `[batch + 1]` int32 (each row's first tile in the step's concatenation of
+  rows), part_rows `[num_parts, 2]` int32 (the rows `[first, end)` a part
+  touches), chunk `[1]` int32 (tiles per part), o `[batch, num_splits,
+  heads_padded, 512]` f32 and lse `[batch, num_splits, heads_padded]` f32
+  (written only where a segment exists).
+
+  The kernel walks a row in tiles of 64 slots: a block of 64 is one tile, a
+  block of 128 two (its halves), and a tile of 32-slot blocks two blocks
+  (the second one the row's last block again where the row ends inside the
+  tile; masked in both modes, never the padding's null block).
   """
-  assert block_size == 64
+  assert block_size in BLOCK_SIZES
+  # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
+  pieces = max(TILE // block_size, 1)
+  piece_slots = min(block_size, TILE)
   scale_log2 = float(sm_scale) * _LOG2E
   dtype = jnp.bfloat16
   rope_in_regs = interpret is None
 
   def mla_decode_kernel(
       q_ref,  # [batch, heads_padded, 576] bf16, GMEM
-      cache_ref,  # [num_blocks, 64, 576] bf16, GMEM
+      cache_ref,  # [num_blocks, block_size, 576] bf16, GMEM
       table_ref,  # [batch, max_blocks] int32, GMEM
       seq_lens_ref,  # [batch] int32, GMEM
       row_start_ref,  # [batch + 1] int32, GMEM
@@ -115,9 +126,9 @@ def build_kernel(
       return jnp.clip(seq_lens_ref[row], 0, max_tokens)
 
     def segment(row):
-      """The row's blocks in this part: (first block, count, split index)."""
+      """The row's tiles in this part: (first tile, count, split index)."""
       rs = row_start_ref[row]
-      nblk = (seq_len(row) + block_size - 1) // block_size
+      nblk = (seq_len(row) + TILE - 1) // TILE
       lo = jnp.clip(beg - rs, 0, nblk)
       hi = jnp.clip(end - rs, lo, nblk)
       split = jnp.clip(part - rs // chunk, 0, num_splits - 1)
@@ -146,19 +157,32 @@ def build_kernel(
       def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def issue(row, blk_idx, slot):
-          blk = table_ref[row, blk_idx]
-          for h in range(2):
+        def issue(row, tile, slot):
+          if block_size >= TILE:
+            per = block_size // TILE  # tiles per block
+            srcs = [(table_ref[row, tile // per], lax.rem(tile, per) * TILE)]
+          else:
+            # The tile's blocks; one past the row's last block reads that
+            # block again (masked), never a padded entry.
+            last_blk = (seq_len(row) + block_size - 1) // block_size - 1
+            srcs = [
+                (table_ref[row, jnp.minimum(tile * pieces + k, last_blk)], 0)
+                for k in range(pieces)
+            ]
+          for k, (blk, off) in enumerate(srcs):
+            src = cache_ref.at[blk, pl.ds(off, piece_slots)]
+            dst = pl.ds(k * piece_slots, piece_slots)
+            for h in range(2):
+              plgpu.copy_gmem_to_smem(
+                  src.at[:, pl.ds(h * HALF, HALF)],
+                  k_lat.at[slot, h, dst],
+                  kv_bar.at[slot],
+              )
             plgpu.copy_gmem_to_smem(
-                cache_ref.at[blk, :, pl.ds(h * HALF, HALF)],
-                k_lat.at[slot, h],
+                src.at[:, pl.ds(LATENT, ROPE)],
+                k_rope.at[slot, dst],
                 kv_bar.at[slot],
             )
-          plgpu.copy_gmem_to_smem(
-              cache_ref.at[blk, :, pl.ds(LATENT, ROPE)],
-              k_rope.at[slot],
-              kv_bar.at[slot],
-          )
 
         def produce(row, carry):
           steps, segs = carry
@@ -230,10 +254,10 @@ def build_kernel(
           # Scores of our half of the block's slots only: [64, 32].
           s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
           if last:
-            # Slots of this block that hold tokens of the row; the rest (the
-            # unwritten tail of the row's last block) is masked by select in
-            # both modes.
-            n_valid = seq_len(row) - (lo + i) * block_size
+            # Slots of this tile that hold tokens of the row; the rest (the
+            # unwritten tail of the row's last block, and at block size 32 a
+            # repeat of that block) is masked by select in both modes.
+            n_valid = seq_len(row) - (lo + i) * TILE
             col = plgpu.broadcasted_iota(
                 jnp.int32, (HEAD_TILE, SLOT_HALF), 1, layout=plgpu.Layout.WGMMA
             )
@@ -246,18 +270,26 @@ def build_kernel(
           sync_consumers()  # also: both QKs of this block are done
           m_new = jnp.maximum(m_i, jnp.maximum(m_own, other_rows()))
 
-          if select and last:
+          if last and (select or block_size < TILE):
             # Each warpgroup cleans the value rows it alone multiplies (its
             # 256 channels): p = 0 alone cannot stop 0 * NaN from reaching
-            # the accumulator.
-            @pl.when(n_valid < block_size)
+            # the accumulator. "select" keeps the row's tokens only;
+            # "multiply" keeps the whole of the row's last block (its
+            # unwritten tail too, as production kernels do), never the
+            # repeat that fills a tile past it.
+            if select:
+              n_keep = n_valid
+            else:
+              n_keep = (n_valid + block_size - 1) // block_size * block_size
+
+            @pl.when(n_keep < TILE)
             def _():
               v_ref = k_lat.at[slot, wg]
               v = plgpu.load(v_ref, layout=plgpu.Layout.WGMMA)
               r = plgpu.broadcasted_iota(
-                  jnp.int32, (block_size, HALF), 0, layout=plgpu.Layout.WGMMA
+                  jnp.int32, (TILE, HALF), 0, layout=plgpu.Layout.WGMMA
               )
-              v_ref[...] = jnp.where(r < n_valid, v, jnp.zeros_like(v))
+              v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
 
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -335,12 +367,12 @@ def build_kernel(
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
-        plgpu.SMEM((NUM_STAGES, 2, block_size, HALF), dtype, transforms=bf16),
-        plgpu.SMEM((NUM_STAGES, block_size, ROPE), dtype, transforms=bf16),
-        plgpu.SMEM((HEAD_TILE, block_size), dtype, transforms=bf16),
+        plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
+        plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
+        plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
         plgpu.SMEM((2, HEAD_TILE), jnp.float32),
         plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_arrivals=3, num_barriers=NUM_STAGES),
+        plgpu.Barrier(num_arrivals=3 * pieces, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),

@@ -30,13 +30,13 @@ MAX_SPLITS = 32
 
 def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
-    block_size: int, out_dtype, interpret,
+    tile: int, out_dtype, interpret,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`.
 
   seq_lens `[batch]` int32 (clipped here to `[0, max_tokens]`) and bounds
   `[batch, num_splits + 1]` int32 (the plan's, clipped here to the row's
-  blocks) give each row's live splits: the non-empty ones, which are its
+  tiles of `tile` slots) give each row's live splits: the non-empty ones, which are its
   first ones. o `[batch, num_splits, heads_padded, dv]` f32 and lse `[batch,
   num_splits, heads_padded]` f32 are read only where live; out `[batch,
   heads_padded, dv]` in out_dtype (0 for a row with no live split) and
@@ -50,7 +50,7 @@ def build_merge(
     c = lax.axis_index("c")
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     cols = pl.ds(c * COLS, COLS)
-    nblk = (jnp.clip(seq_ref[b], 0, max_tokens) + block_size - 1) // block_size
+    nblk = (jnp.clip(seq_ref[b], 0, max_tokens) + tile - 1) // tile
 
     def bound(j):
       return jnp.clip(bounds_ref[b, j], 0, nblk)

@@ -1,9 +1,11 @@
-"""The split-KV plan of dense MLA decode: which blocks each CTA reads.
+"""The split-KV plan of dense MLA decode: which tiles each CTA reads.
 
 Computed once per decode step from `seq_lens` (inside jit) and reused by every
-layer, like FlashMLA's tile-scheduler metadata. All rows' blocks are laid end
-to end and cut into equal contiguous parts, one CTA per part and head group,
-so every CTA carries the same number of blocks whatever the mix of lengths.
+layer, like FlashMLA's tile-scheduler metadata. The unit is the kernel's tile
+of 64 slots (one cache block at block size 64, half of one at 128, two at
+32). All rows' tiles are laid end to end and cut into equal contiguous parts,
+one CTA per part and head group, so every CTA carries the same number of
+tiles whatever the mix of lengths.
 A part may hold the end of one row, whole rows and the start of another; a
 row cut by part boundaries yields one partial result per part (its splits),
 merged afterwards by log-sum-exp.
@@ -20,6 +22,7 @@ from jaxtyping import Array, Int
 from jaxkv._types import BATCH, SeqLens
 
 from .config import MLADecodeConfig, default_config
+from .kernel import BLOCK_SIZES, TILE
 
 
 class MLADecodePlan(NamedTuple):
@@ -27,16 +30,16 @@ class MLADecodePlan(NamedTuple):
 
   Attributes:
     bounds: `[batch, num_splits + 1]` int32, non-decreasing per row, from 0 to
-      the row's block count `ceil(seq_len / block_size)`: split `j` of row `b`
-      covers the row's blocks `[bounds[b, j], bounds[b, j + 1])` (none when
+      the row's tile count `ceil(seq_len / 64)`: split `j` of row `b`
+      covers the row's tiles `[bounds[b, j], bounds[b, j + 1])` (none when
       equal; an empty split has no partial result). The maximum number of
       splits of a row is static: `bounds.shape[1] - 1`.
-    row_start: `[batch + 1]` int32: where each row's blocks start when all
+    row_start: `[batch + 1]` int32: where each row's tiles start when all
       rows are laid end to end (the last entry is the step's total).
     part_rows: `[num_parts, 2]` int32: the rows `[first, end)` that part `p`
-      (blocks `[p * chunk, (p + 1) * chunk)` of the concatenation) touches.
+      (tiles `[p * chunk, (p + 1) * chunk)` of the concatenation) touches.
       The number of parts is static: `part_rows.shape[0]`.
-    chunk: `[1]` int32: blocks per part.
+    chunk: `[1]` int32: tiles per part.
   """
 
   bounds: Int[Array, f"{BATCH} splits_plus_one"]
@@ -61,11 +64,11 @@ def mla_decode_plan(
     config: MLADecodeConfig | None = None,
     num_sms: int = 132,
 ) -> MLADecodePlan:
-  """Cuts the step's blocks into equal parts, one CTA of work each.
+  """Cuts the step's tiles into equal parts, one CTA of work each.
 
   Parts: `config.ctas_per_sm * num_sms` CTAs shared by the head groups of 64
   (and never more than `batch * num_splits`, which no plan could fill). The
-  chunk (blocks per part) is the step's total over the parts, at least
+  chunk (tiles per part) is the step's total over the parts, at least
   `config.min_chunk_blocks`, and large enough that no row is cut into more
   than `config.num_splits` splits; with `num_splits == 1` no row is cut at
   all (one part holds every row). A row with `seq_len == 0` has no split.
@@ -73,7 +76,8 @@ def mla_decode_plan(
   Args:
     seq_lens: `[batch]` int32 (may be traced).
     num_heads: query heads (sets the head groups of 64 per row).
-    block_size: slots per cache block.
+    block_size: slots per cache block (one of 32, 64, 128); the plan counts
+      64-slot tiles whatever it is, so one plan serves caches of any of them.
     config: tuning config; the tuned or heuristic default for this batch and
       heads when None.
     num_sms: multiprocessors of the device.
@@ -81,6 +85,8 @@ def mla_decode_plan(
   Returns:
     The plan.
   """
+  if block_size not in BLOCK_SIZES:
+    raise ValueError(f"{block_size=} must be one of {BLOCK_SIZES}")
   batch = seq_lens.shape[0]
   if config is None:
     config = default_config(batch=batch, num_heads=num_heads)
@@ -88,7 +94,7 @@ def mla_decode_plan(
     head_groups = -(-num_heads // 64)
     splits = config.num_splits
     parts = max(1, min(config.ctas_per_sm * num_sms // head_groups, batch * splits))
-    nblk = (jnp.maximum(seq_lens, 0) + block_size - 1) // block_size
+    nblk = (jnp.maximum(seq_lens, 0) + TILE - 1) // TILE
     ends = jnp.cumsum(nblk).astype(jnp.int32)
     starts = ends - nblk
     total = ends[-1]

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from jaxkv._types import BATCH, HEADS, BlockTable, Lse, MLACache, MLAQuery, SeqLens
 
 MASK_MODES = ("select", "multiply")
+READ_TILE = 64  # slots the kernels read at once ("multiply" reads whole tiles)
 
 
 def mla_decode_reference(
@@ -28,9 +29,11 @@ def mla_decode_reference(
   row *reads* are the `ceil(seq_len / block_size)` ones that hold its tokens;
   padded table entries past them are never dereferenced. Inside the last read
   block the slots at or past `seq_len` are unwritten: their scores are masked
-  in both modes; in "multiply" mode their value rows are still accumulated
-  with probability 0 (so NaN there yields NaN in the row, as in production
-  kernels); in "select" mode they never reach the accumulator.
+  in both modes; in "multiply" mode the value rows of those the kernel reads
+  (it reads in tiles of 64 slots: up to `seq_len` rounded up to
+  `min(block_size, 64)`) are still accumulated with probability 0 (so NaN
+  there yields NaN in the row, as in production kernels); in "select" mode
+  they never reach the accumulator.
 
   Args:
     q: `[batch, heads, 576]` queries (512 latent + 64 RoPE channels).
@@ -57,7 +60,8 @@ def mla_decode_reference(
     kv = cache[block_table].reshape(block_table.shape[0], span, cache.shape[-1])
     pos = jnp.arange(span, dtype=jnp.int32)[None, :]
     valid = pos < seq[:, None]  # [batch, span]
-    read = pos < ((seq + block_size - 1) // block_size * block_size)[:, None]
+    unit = min(block_size, READ_TILE)
+    read = pos < ((seq + unit - 1) // unit * unit)[:, None]
     keep = valid if mask_mode == "select" else read
     # Slots the kernel never reads cannot poison it in either mode.
     return attention_reference(q, kv, valid, keep, sm_scale=sm_scale, dv=dv)

@@ -26,7 +26,7 @@ from .config import MLADecodeConfig
 from .plan import MLADecodePlan, mla_decode_plan
 from .reference import MASK_MODES
 
-SUPPORTED_BLOCK_SIZES = (64,)
+SUPPORTED_BLOCK_SIZES = _kernel.BLOCK_SIZES
 MAX_HEADS = 128
 
 
@@ -95,15 +95,18 @@ def mla_decode(
 
   Args:
     q: `[batch, heads, 576]` bf16 queries, heads in [1, 128].
-    cache: `[num_blocks, 64, 576]` bf16 latent cache (512 latent + 64 RoPE).
+    cache: `[num_blocks, block_size, 576]` bf16 latent cache (512 latent +
+      64 RoPE), block_size 32, 64 or 128.
     block_table: `[batch, max_blocks]` int32, padded with 0 (never read past
       a row's blocks).
     seq_lens: `[batch]` int32; 0 gives `out = 0`, `lse = -inf` and reads
-      nothing; values are clipped to `[0, max_blocks * 64]`.
+      nothing; values are clipped to `[0, max_blocks * block_size]`.
     sm_scale: scale of the logits.
     dv: value channels; must be 512.
     mask_mode: "select" (masked slots never reach the accumulator) or
-      "multiply" (they are accumulated with probability 0, like FlashMLA).
+      "multiply" (the unwritten slots the kernel reads, those of a row's
+      last block up to a multiple of 64 slots, are accumulated with
+      probability 0, like FlashMLA).
     plan: the split plan of this step from `mla_decode_plan`; computed here
       when None.
     config: tuning config used when `plan` is None.
@@ -147,7 +150,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     # Few rows, many splits (most of them live): the merge kernel's one CTA
     # per row would walk them one by one; XLA's fused merge reads them all
     # at once. Splits no segment produced were never written: weight 0.
-    nblk = (jnp.clip(seq_lens, 0, max_blocks * block_size) + block_size - 1) // block_size
+    tile = _kernel.TILE
+    nblk = (jnp.clip(seq_lens, 0, max_blocks * block_size) + tile - 1) // tile
     bounds = jnp.clip(plan.bounds, 0, nblk[:, None])
     is_live = bounds[:, 1:] > bounds[:, :-1]
     out, lse = combine_splits(o, jnp.where(is_live[..., None], lse, -jnp.inf))
@@ -156,7 +160,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # never the unwritten rest.
   merge = _merge.build_merge(
       batch=batch, num_splits=plan.num_splits, heads_padded=heads_padded,
-      dv=o.shape[-1], max_tokens=max_blocks * block_size, block_size=block_size,
+      dv=o.shape[-1], max_tokens=max_blocks * block_size, tile=_kernel.TILE,
       out_dtype=q.dtype, interpret=interpret,
   )
   out, lse = merge(seq_lens, plan.bounds, o, lse)
