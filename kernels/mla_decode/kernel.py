@@ -49,6 +49,7 @@ BLOCK_SIZES = (32, 64, 128)  # cache block sizes the kernel reads
 LATENT = 512
 ROPE = 64
 HALF = 256  # value channels per consumer warpgroup; also the TMA box limit
+CLEAN_COLS = 64  # value channels cleaned per register pass
 SLOT_HALF = 32  # slots of a block whose scores one consumer warpgroup computes
 NUM_STAGES = 2
 NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
@@ -284,12 +285,15 @@ def build_kernel(
 
             @pl.when(n_keep < TILE)
             def _():
-              v_ref = k_lat.at[slot, wg]
-              v = plgpu.load(v_ref, layout=plgpu.Layout.WGMMA)
+              # 64 channels at a time: 16 registers, not 64, beside the
+              # accumulator (the whole half at once spilled).
               r = plgpu.broadcasted_iota(
-                  jnp.int32, (TILE, HALF), 0, layout=plgpu.Layout.WGMMA
+                  jnp.int32, (TILE, CLEAN_COLS), 0, layout=plgpu.Layout.WGMMA
               )
-              v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
+              for c in range(HALF // CLEAN_COLS):
+                v_ref = k_lat.at[slot, wg, :, pl.ds(c * CLEAN_COLS, CLEAN_COLS)]
+                v = plgpu.load(v_ref, layout=plgpu.Layout.WGMMA)
+                v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
 
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
