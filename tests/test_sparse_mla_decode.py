@@ -175,3 +175,17 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   q, cache, idx = _inputs(0, 1, 16, 64)
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET)
+
+
+def test_gather_slots_stay_inside_the_selection():
+  """"select" reads a -1 as the row's first valid slot, "multiply" as slot 0; a row
+  without a valid index reads slot 0 in both (its result is discarded)."""
+  from jaxkv.kernels.sparse_mla_decode.kernel import gather_slots
+
+  idx = jnp.asarray([[-1, 5, -1, 7], [-1, -1, -1, -1], [3, -1, 4, 2]], jnp.int32)
+  np.testing.assert_array_equal(
+      np.asarray(gather_slots(idx, True)), [[5, 5, 5, 7], [0, 0, 0, 0], [3, 3, 4, 2]]
+  )
+  np.testing.assert_array_equal(
+      np.asarray(gather_slots(idx, False)), [[0, 5, 0, 7], [0, 0, 0, 0], [3, 0, 4, 2]]
+  )

@@ -13,18 +13,19 @@ two-step data path, both steps in the producer warpgroup (warpgroup 2):
    the swizzled operand tiles the consumers multiply from; a second two-stage
    ring.
 
-Warpgroups 0 and 1 consume as in dense decode: each computes the scores of
-half the tile's tokens (S = Q K^T, [64, TILE/2], the full 576-deep
-contraction), the two share row maxima through SMEM, each writes its half of
-P (bf16) to SMEM, and each accumulates O[:, 256w:256w+256] += P V over the
-whole tile with its half of the 512 value channels.
+Warpgroups 0 and 1 both compute the scores of the whole tile (S = Q K^T,
+[64, TILE], the full 576-deep contraction), so each holds the whole softmax
+state and they never synchronise; each accumulates O[:, 256w:256w+256] += P V
+over the tile with its half of the 512 value channels, P from registers.
 
-Masking. An index < 0 gets score -inf in both modes. "multiply" clamps it to
-slot 0 and gathers that row, so its value row meets p = 0 in the accumulator
-(0 * NaN = NaN, as in production kernels). "select" issues no copy for it
-(the producer arrives on the barrier in the copy's place): the raw row keeps
-bytes of an earlier valid index of this CTA or the zeros written at start,
-so p = 0 meets a finite value and adds exactly 0.
+Masking. The consumers read the indices (an index < 0 gets score -inf in both
+modes); the producer gathers the slots the wrapper derived from them, one
+unconditional copy per index: "multiply" clamps a -1 to slot 0, so that
+row's value meets p = 0 in the accumulator (0 * NaN = NaN, as in production
+kernels); "select" replaces a -1 by a valid slot of the same row (read again,
+finite, weighted exactly 0), so no slot outside the row's selection is ever
+read. (A row without a valid index reads slot 0; its splits have LSE = -inf
+and the merge never uses their O.)
 
 The partial result of a split is written normalised, in float32, with its
 natural-log LSE; a split without a valid index writes LSE = -inf and O = 0
@@ -75,16 +76,18 @@ def build_kernel(
     topk: int,
     num_splits: int,
     sm_scale: float,
-    select: bool,
     interpret,
 ):
-  """Builds the kernel call.
+  """Builds the kernel call (the same for both mask modes: they differ only in
+  the slots gathered).
 
-  Returns a function `(q, cache_rows, indices) -> (o, lse)` with q
+  Returns a function `(q, cache_rows, indices, slots) -> (o, lse)` with q
   `[batch, heads_padded, 576]` bf16, cache_rows `[num_slots, 9, 64]` bf16 (the
   cache with blocks and slots merged, channels split in 64-wide chunks),
-  indices `[batch, topk]` int32, o `[batch, num_splits, heads_padded, 512]`
-  f32 and lse `[batch, num_splits, heads_padded]` f32.
+  indices `[batch, topk]` int32 (-1: masked), slots `[batch, topk]` int32
+  (the rows to gather, `gather_slots(indices, select)`), o `[batch,
+  num_splits, heads_padded, 512]` f32 and lse `[batch, num_splits,
+  heads_padded]` f32.
   """
   assert topk % (TILE * num_splits) == 0
   num_tiles = topk // (TILE * num_splits)  # per split, static
@@ -96,6 +99,7 @@ def build_kernel(
       q_ref,  # [batch, heads_padded, 576] bf16, GMEM
       cache_ref,  # [num_slots, 9, 64] bf16, GMEM
       idx_ref,  # [batch, topk] int32, GMEM
+      slots_ref,  # [batch, topk] int32, GMEM
       o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM
       lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM
   ):
@@ -123,8 +127,7 @@ def build_kernel(
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-        # Finite bytes in every raw row before the first gather. "select"
-        # needs them (a skipped row keeps what the tile held); "multiply" gave
+        # Zeros in every raw row before the first gather: the kernel gave
         # wrong results on the H200 without this store-and-commit ahead of its
         # first gather (correct with it, and always correct in the interpreter).
         zeros = jnp.zeros((TILE, CHUNK), dtype)
@@ -147,7 +150,7 @@ def build_kernel(
           # cycles) instead of one dependent GMEM load each.
           slot = lax.rem(tile, IDX_STAGES)
           plgpu.copy_gmem_to_smem(
-              idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)],
+              slots_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)],
               idx_smem.at[slot],
               idx_bar.at[slot],
           )
@@ -172,21 +175,14 @@ def build_kernel(
             plgpu.commit_smem()
             fetch_indices(tile + IDX_STAGES)
 
-        def gather_row(idx, stage, r):
-          dst = raw.at[stage, pl.ds(r, 1)]
-          bar = raw_bar.at[stage]
-          if select:
-            @pl.when(idx >= 0)
-            def _():
-              plgpu.copy_gmem_to_smem(cache_ref.at[pl.ds(idx, 1)], dst, bar)
-
-            @pl.when(idx < 0)
-            def _():
-              plgpu.barrier_arrive(bar)
-          else:
-            plgpu.copy_gmem_to_smem(
-                cache_ref.at[pl.ds(jnp.maximum(idx, 0), 1)], dst, bar
-            )
+        def gather_row(slot_id, stage, r):
+          # No branch: the wrapper's slots are valid rows in both modes (the
+          # clamp only keeps a foreign caller's negative id inside the cache).
+          plgpu.copy_gmem_to_smem(
+              cache_ref.at[pl.ds(jnp.maximum(slot_id, 0), 1)],
+              raw.at[stage, pl.ds(r, 1)],
+              raw_bar.at[stage],
+          )
 
         for i in range(min(NUM_STAGES, num_tiles)):
           gather(i, i)
@@ -357,3 +353,20 @@ def build_kernel(
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
   )
+
+
+def gather_slots(indices, select: bool):
+  """The cache rows the producer gathers for `indices` `[batch, topk]` int32.
+
+  Valid indices read themselves. "multiply" reads slot 0 (the null block) for
+  a -1, as production kernels do; "select" reads a valid slot of the same
+  row instead (its first), which the -1's score of -inf weights by exactly 0,
+  so a -1 never reads anything outside the row's selection. A row with no
+  valid index reads slot 0 in both modes (its result is discarded).
+  """
+  if not select:
+    return jnp.maximum(indices, 0)
+  valid = indices >= 0
+  first = jnp.argmax(valid, axis=1)[:, None]
+  fill = jnp.maximum(jnp.take_along_axis(indices, first, axis=1), 0)
+  return jnp.where(valid, indices, fill)

@@ -139,9 +139,9 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       topk=indices.shape[1],
       num_splits=num_splits,
       sm_scale=sm_scale,
-      select=select,
       interpret=interpret,
   )
-  o, lse = call(qp, rows, indices)  # [b, s, hp, 512] f32, [b, s, hp] f32
+  slots = _kernel.gather_slots(indices, select)
+  o, lse = call(qp, rows, indices, slots)  # [b, s, hp, 512] f32, [b, s, hp] f32
   out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads])
   return out.astype(q.dtype), lse
