@@ -38,8 +38,9 @@ def sparse_mla_decode(
 
   Semantics are those of `sparse_mla_decode_reference`: `-1` entries get
   probability 0; "multiply" clamps them to slot 0 (the null block) and still
-  accumulates its value row, "select" never lets them reach the accumulator;
-  duplicates count as often as they appear; a row without a valid entry gives
+  accumulates its value row, "select" never lets them reach the accumulator
+  (the kernel reads a valid slot of the row in their place, weighted by
+  exactly 0, so no slot outside the selection is read); duplicates count as often as they appear; a row without a valid entry gives
   `out` 0 and `lse` -inf. Works under `jax.jit` with traced indices.
 
   Args:
