@@ -13,10 +13,11 @@ loads the row's 64-head query tile (once the consumers are done with the
 previous one) and streams the segment's KV tiles (one 64x576 tile per step,
 three TMA copies of 256 + 256 + 64 channels per cache block in it) through a
 two-stage ring that runs on across segments. Warpgroups 0 and 1 consume and
-split every tile (below: block) two ways. Scores by slots: warpgroup w computes S_w = Q K^T for slots
-[32w, 32w + 32) of the block ([64, 32], 576 deep); the two swap their row
-maxima through SMEM, so both rescale by the same running maximum, and each
-writes its 32 columns of P (bf16) into one shared [64, 64] tile. Values by
+split every tile (below: block) two ways. Scores by slots: warpgroup w
+computes S_w = Q K^T for slots [32w, 32w + 32) of the block ([64, 32], 576
+deep); the two swap their row maxima through SMEM, so both rescale by the
+same running maximum, and each writes its 32 columns of P (bf16) into one
+shared [64, 64] tile. Values by
 channels: warpgroup w accumulates O[:, 256w:256w+256] += P V over all 64 slots
 (a 64x256 f32 accumulator; 64x512 does not fit one warpgroup). Two
 rendezvous per block (maxima, then P); each warpgroup's row sum covers its

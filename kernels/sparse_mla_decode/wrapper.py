@@ -40,8 +40,9 @@ def sparse_mla_decode(
   probability 0; "multiply" clamps them to slot 0 (the null block) and still
   accumulates its value row, "select" never lets them reach the accumulator
   (the kernel reads a valid slot of the row in their place, weighted by
-  exactly 0, so no slot outside the selection is read); duplicates count as often as they appear; a row without a valid entry gives
-  `out` 0 and `lse` -inf. Works under `jax.jit` with traced indices.
+  exactly 0, so no slot outside the selection is read); duplicates count as
+  often as they appear; a row without a valid entry gives `out` 0 and `lse`
+  -inf. Works under `jax.jit` with traced indices.
 
   Args:
     q: `[batch, heads, 576]` bf16 or float32 queries (1 to 128 heads; cast to
