@@ -44,8 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .reference import READ_TILE
+
 HEAD_TILE = 64  # wgmma M: heads per CTA
-TILE = 64  # slots per KV ring stage: the plan's unit (a block at block size 64)
+# Slots per KV ring stage, the plan's unit (a block at block size 64): the
+# reference's read tile, which sets what "multiply" reads.
+TILE = READ_TILE
 BLOCK_SIZES = (32, 64, 128)  # cache block sizes the kernel reads
 LATENT = 512
 ROPE = 64
@@ -130,9 +134,9 @@ def build_kernel(
     def segment(row):
       """The row's tiles in this part: (first tile, count, split index)."""
       rs = row_start_ref[row]
-      nblk = (seq_len(row) + TILE - 1) // TILE
-      lo = jnp.clip(beg - rs, 0, nblk)
-      hi = jnp.clip(end - rs, lo, nblk)
+      ntiles = (seq_len(row) + TILE - 1) // TILE
+      lo = jnp.clip(beg - rs, 0, ntiles)
+      hi = jnp.clip(end - rs, lo, ntiles)
       split = jnp.clip(part - rs // chunk, 0, num_splits - 1)
       return lo, hi - lo, split
 

@@ -50,10 +50,10 @@ def build_merge(
     c = lax.axis_index("c")
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     cols = pl.ds(c * COLS, COLS)
-    nblk = (jnp.clip(seq_ref[b], 0, max_tokens) + tile - 1) // tile
+    ntiles = (jnp.clip(seq_ref[b], 0, max_tokens) + tile - 1) // tile
 
     def bound(j):
-      return jnp.clip(bounds_ref[b, j], 0, nblk)
+      return jnp.clip(bounds_ref[b, j], 0, ntiles)
 
     n = lax.fori_loop(
         0, num_splits, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),

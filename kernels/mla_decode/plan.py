@@ -94,21 +94,21 @@ def mla_decode_plan(
     head_groups = -(-num_heads // 64)
     splits = config.num_splits
     parts = max(1, min(config.ctas_per_sm * num_sms // head_groups, batch * splits))
-    nblk = (jnp.maximum(seq_lens, 0) + TILE - 1) // TILE
-    ends = jnp.cumsum(nblk).astype(jnp.int32)
-    starts = ends - nblk
+    ntiles = (jnp.maximum(seq_lens, 0) + TILE - 1) // TILE
+    ends = jnp.cumsum(ntiles).astype(jnp.int32)
+    starts = ends - ntiles
     total = ends[-1]
     if splits == 1:
       chunk = jnp.maximum(total, 1)
     else:
       chunk = jnp.maximum(
           jnp.maximum((total + parts - 1) // parts, config.min_chunk_blocks),
-          (jnp.max(nblk) + splits - 2) // (splits - 1),
+          (jnp.max(ntiles) + splits - 2) // (splits - 1),
       )
     # Split j of row b is its share of part (starts[b] // chunk + j).
     j = jnp.arange(splits + 1, dtype=jnp.int32)[None, :]
     first = (starts // chunk)[:, None]
-    bounds = jnp.clip((first + j) * chunk - starts[:, None], 0, nblk[:, None])
+    bounds = jnp.clip((first + j) * chunk - starts[:, None], 0, ntiles[:, None])
     # Rows touching part p: those ending after its start and starting before
     # its end (empty rows inside are skipped by the kernel).
     p = jnp.arange(parts, dtype=jnp.int32)[:, None]

@@ -151,8 +151,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     # per row would walk them one by one; XLA's fused merge reads them all
     # at once. Splits no segment produced were never written: weight 0.
     tile = _kernel.TILE
-    nblk = (jnp.clip(seq_lens, 0, max_blocks * block_size) + tile - 1) // tile
-    bounds = jnp.clip(plan.bounds, 0, nblk[:, None])
+    ntiles = (jnp.clip(seq_lens, 0, max_blocks * block_size) + tile - 1) // tile
+    bounds = jnp.clip(plan.bounds, 0, ntiles[:, None])
     is_live = bounds[:, 1:] > bounds[:, :-1]
     out, lse = combine_splits(o, jnp.where(is_live[..., None], lse, -jnp.inf))
     return out[:, :heads].astype(q.dtype), lse[:, :heads]
