@@ -368,7 +368,7 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits():
                        (live + jnp.asarray([0, 0, 0, 0, 2]))[:, None]).astype(jnp.int32)
   seq_lens = (live + jnp.asarray([0, 0, 0, 0, 2])) * BS - 5
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
-                      max_tokens=10 * BS, tile=BS, out_dtype=jnp.bfloat16, interpret=RACES)
+                      max_tokens=10 * BS, out_dtype=jnp.bfloat16, interpret=RACES)
   out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel import _LOG2E, HEAD_TILE, softmax_finish, softmax_start
+from .kernel import _LOG2E, HEAD_TILE, TILE, softmax_finish, softmax_start
 
 COLS = 128  # value channels per CTA
 # Beyond this many splits per row the wrapper merges with XLA instead: the
@@ -30,14 +30,14 @@ MAX_SPLITS = 32
 
 def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
-    tile: int, out_dtype, interpret,
+    out_dtype, interpret,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`.
 
   seq_lens `[batch]` int32 (clipped here to `[0, max_tokens]`) and bounds
   `[batch, num_splits + 1]` int32 (the plan's, clipped here to the row's
-  tiles of `tile` slots) give each row's live splits: the non-empty ones, which are its
-  first ones. o `[batch, num_splits, heads_padded, dv]` f32 and lse `[batch,
+  64-slot tiles) give each row's live splits: the non-empty ones, which are
+  its first ones. o `[batch, num_splits, heads_padded, dv]` f32 and lse `[batch,
   num_splits, heads_padded]` f32 are read only where live; out `[batch,
   heads_padded, dv]` in out_dtype (0 for a row with no live split) and
   lse_out `[batch, heads_padded]` f32 (-inf there).
@@ -50,7 +50,7 @@ def build_merge(
     c = lax.axis_index("c")
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     cols = pl.ds(c * COLS, COLS)
-    ntiles = (jnp.clip(seq_ref[b], 0, max_tokens) + tile - 1) // tile
+    ntiles = (jnp.clip(seq_ref[b], 0, max_tokens) + TILE - 1) // TILE
 
     def bound(j):
       return jnp.clip(bounds_ref[b, j], 0, ntiles)

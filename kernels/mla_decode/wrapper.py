@@ -160,7 +160,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # never the unwritten rest.
   merge = _merge.build_merge(
       batch=batch, num_splits=plan.num_splits, heads_padded=heads_padded,
-      dv=o.shape[-1], max_tokens=max_blocks * block_size, tile=_kernel.TILE,
+      dv=o.shape[-1], max_tokens=max_blocks * block_size,
       out_dtype=q.dtype, interpret=interpret,
   )
   out, lse = merge(seq_lens, plan.bounds, o, lse)
