@@ -91,13 +91,19 @@ def _assert_close(got, want):
     [
         ([1, BS - 1, BS, BS + 1, 0, 3 * BS - 7], 16, 1, RACES),
         ([5 * BS + 3, 0, 2 * BS], 64, 3, FAST),
-        ([3 * BS - 1, BS + 1], 128, 2, FAST),
+        ([5 * BS - 1, BS + 1], 128, 2, FAST),
         # More splits than the merge kernel takes: XLA merges.
         ([9 * BS + 3, 0, 2 * BS], 64, 40, FAST),
     ],
 )
 def test_matches_reference(seq_lens, heads, splits, interpret):
   q, cache, table, lens = _problem(0, seq_lens, heads)
+  if splits > 1:  # the case cuts a row: its splits are merged
+    plan = mla_decode_plan(
+        jnp.asarray(lens), num_heads=heads,
+        config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1),
+    )
+    assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2
   got = _run(q, cache, table, lens, splits=splits, interpret=interpret)
   _assert_close(got, _ref(q, cache, table, lens))
   out, lse = got
@@ -220,6 +226,19 @@ def test_configs_valid():
       assert heuristic_config(batch=batch, num_heads=heads).num_splits >= 1
   with pytest.raises(ValueError, match="num_splits"):
     MLADecodeConfig(num_splits=0)
+  with pytest.raises(ValueError, match="split_overhead_tiles"):
+    MLADecodeConfig(split_overhead_tiles=-1)
+
+
+def _bad_plan(**change):
+  """A plan of the right shapes for batch 2 and one part, with `change` applied."""
+  fields = dict(
+      bounds=jnp.zeros((2, 2), jnp.int32), row_start=jnp.zeros((3,), jnp.int32),
+      part_rows=jnp.zeros((1, 2), jnp.int32), part_start=jnp.zeros((2,), jnp.int32),
+      row_part=jnp.zeros((2,), jnp.int32),
+  )
+  fields.update(change)
+  return MLADecodePlan(**fields)
 
 
 @pytest.mark.parametrize(
@@ -236,14 +255,12 @@ def test_configs_valid():
         (dict(sm_scale=-1.0), "sm_scale"),
         (dict(dv=256), "dv"),
         (dict(mask_mode="zero"), "mask_mode"),
-        (dict(plan=MLADecodePlan(jnp.zeros((3, 2), jnp.int32), jnp.zeros((3,), jnp.int32),
-                                 jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32))), "plan.bounds"),
-        (dict(plan=MLADecodePlan(jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32),
-                                 jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32))), "plan.row_start"),
-        (dict(plan=MLADecodePlan(jnp.zeros((2, 2), jnp.int32), jnp.zeros((3,), jnp.int32),
-                                 jnp.zeros((1, 3), jnp.int32), jnp.ones((1,), jnp.int32))), "plan.part_rows"),
-        (dict(plan=MLADecodePlan(jnp.zeros((2, 2), jnp.int32), jnp.zeros((3,), jnp.int32),
-                                 jnp.zeros((1, 2), jnp.int32), jnp.ones((), jnp.int32))), "plan.chunk"),
+        (dict(plan=_bad_plan(bounds=jnp.zeros((3, 2), jnp.int32))), "plan.bounds"),
+        (dict(plan=_bad_plan(row_start=jnp.zeros((2,), jnp.int32))), "plan.row_start"),
+        (dict(plan=_bad_plan(part_rows=jnp.zeros((1, 3), jnp.int32))), "plan.part_rows"),
+        (dict(plan=_bad_plan(part_start=jnp.zeros((3,), jnp.int32))), "plan.part_start"),
+        (dict(plan=_bad_plan(part_start=jnp.zeros((2,), jnp.float32))), "plan.part_start"),
+        (dict(plan=_bad_plan(row_part=jnp.zeros((3,), jnp.int32))), "plan.row_part"),
     ],
 )
 def test_bad_inputs(change, match):
@@ -273,45 +290,67 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
 
 def _segments(plan, seq_lens):
   """The (row, first block, count, split) each part's CTA runs, as the kernel walks them."""
-  chunk = int(plan.chunk[0])
+  ps = np.asarray(plan.part_start)
   rs = np.asarray(plan.row_start)
+  row_part = np.asarray(plan.row_part)
   nblk = -(-np.asarray(seq_lens) // BS)
   out = []
   for p, (r0, r1) in enumerate(np.asarray(plan.part_rows)):
-    beg, end = p * chunk, min((p + 1) * chunk, rs[-1])
+    beg, end = ps[p], ps[p + 1]
     segs = []
     for row in range(r0, r1):
       lo = int(np.clip(beg - rs[row], 0, nblk[row]))
       hi = int(np.clip(end - rs[row], lo, nblk[row]))
       if hi > lo:
-        segs.append((row, lo, hi - lo, p - rs[row] // chunk))
+        segs.append((row, lo, hi - lo, p - row_part[row]))
     out.append(segs)
   return out
 
 
+def _cut_points(ntiles, parts, chunk, overhead):
+  """Each part's first tile, walking the cost line token by token: a row costs
+  `overhead` (at its start) plus its tiles; part p starts at cost p * chunk."""
+  line = []  # the global tile at each unit of cost (a row's overhead maps to its first tile)
+  tile = 0
+  for n in ntiles:
+    if n:
+      line += [tile] * overhead + list(range(tile, tile + n))
+      tile += n
+  return [line[p * chunk] if p * chunk < len(line) else tile for p in range(parts + 1)]
+
+
 @pytest.mark.parametrize(
-    "seq_lens,splits,ctas",
+    "seq_lens,splits,ctas,overhead",
     [
-        ([BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS], 3, 4),
-        ([0, 0, 7], 2, 132),
-        ([4096, 131072, 1, 0, 65 * BS, 700], 16, 264),
-        ([BS] * 40, 2, 8),
+        ([BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS], 3, 4, 3),
+        ([BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS], 3, 4, 0),
+        ([0, 0, 7], 2, 132, 3),
+        ([4096, 131072, 1, 0, 65 * BS, 700], 16, 264, 3),
+        ([BS] * 40, 2, 8, 3),
+        ([BS] * 40, 2, 8, 0),
+        ([5 * BS, BS, BS, 9 * BS, 2 * BS, BS + 1], 4, 3, 2),
     ],
 )
-def test_plan_parts_are_balanced_and_cover_every_block_once(seq_lens, splits, ctas):
+def test_plan_parts_are_balanced_and_cover_every_block_once(seq_lens, splits, ctas, overhead):
   lens = jnp.asarray(seq_lens, jnp.int32)
-  config = MLADecodeConfig(num_splits=splits, ctas_per_sm=1, min_chunk_blocks=1)
+  config = MLADecodeConfig(
+      num_splits=splits, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=overhead
+  )
   plan = jax.jit(lambda s: mla_decode_plan(s, num_heads=64, config=config, num_sms=ctas))(lens)
   nblk = -(-np.asarray(seq_lens) // BS)
-  total = int(nblk.sum())
-  chunk = int(plan.chunk[0])
+  cost = int(nblk.sum() + overhead * (nblk > 0).sum())
+  parts = plan.num_parts
+  # Equal cost per part, unless a row would need more splits.
+  chunk = max(-(-cost // parts), 1, -(-int(nblk.max()) // (splits - 1)))
+  np.testing.assert_array_equal(plan.part_start, _cut_points(nblk, parts, chunk, overhead))
   bounds = np.asarray(plan.bounds)
-  # Equal parts: the total over the parts, unless a row would need more splits.
-  want = max(-(-total // plan.num_parts), 1, -(-int(nblk.max()) // (splits - 1)))
-  assert chunk == want
+  rs = np.asarray(plan.row_start)
   seen = np.zeros((len(seq_lens), int(nblk.max()) + 1), np.int32)
   for p, segs in enumerate(_segments(plan, seq_lens)):
-    assert sum(n for _, _, n, _ in segs) <= chunk
+    # A part's tiles plus an overhead per row it starts stay within its chunk,
+    # give or take one overhead where a cut falls inside a row's.
+    starts_here = sum(1 for row, lo, _, _ in segs if lo == 0)
+    assert sum(n for _, _, n, _ in segs) + overhead * starts_here <= chunk + overhead
     for row, lo, n, split in segs:
       assert 0 <= split < splits
       # The split's blocks are exactly what the plan's bounds say.
@@ -320,6 +359,10 @@ def test_plan_parts_are_balanced_and_cover_every_block_once(seq_lens, splits, ct
   for row, k in enumerate(nblk):
     np.testing.assert_array_equal(seen[row, :k], 1)
     assert (seen[row, k:] == 0).all()
+    if k:
+      ps = np.asarray(plan.part_start)
+      p = int(plan.row_part[row])
+      assert ps[p] <= rs[row] < ps[p + 1]
   np.testing.assert_array_equal(bounds[:, -1], nblk)
 
 
@@ -328,7 +371,9 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe():
   another; a row cut mid-way into two splits; poisoned tails and null block."""
   seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS]
   q, cache, table, lens = _problem(11, seq_lens, 16)
-  config = MLADecodeConfig(num_splits=3, ctas_per_sm=1, min_chunk_blocks=1)
+  config = MLADecodeConfig(
+      num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0
+  )
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=16, config=config, num_sms=4)
   segs = _segments(plan, seq_lens)
   assert max(len(s) for s in segs) >= 3  # a part runs several rows

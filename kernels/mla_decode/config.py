@@ -21,19 +21,28 @@ class MLADecodeConfig:
       1 never cuts a row (one part, one CTA per head group, holds them all).
     ctas_per_sm: CTAs (parts x head groups) the plan aims at per
       multiprocessor.
-    min_chunk_blocks: the fewest 64-slot tiles a part holds (amortises the query
-      loads, the pipeline fill and the partial-result writes of short steps).
+    min_chunk_blocks: the least cost a part carries, in 64-slot tiles
+      (amortises the query loads, the pipeline fill and the partial-result
+      writes of short steps).
+    split_overhead_tiles: what one row segment costs a CTA beyond its tiles
+      (query load, pipeline restart, partial store and merge), in tiles; the
+      plan balances parts on tiles plus this per segment. 0 balances tiles
+      alone.
   """
 
   num_splits: int = 1
   ctas_per_sm: int = 1
   min_chunk_blocks: int = 8
+  split_overhead_tiles: int = 4
 
   def __post_init__(self):
     for name in ("num_splits", "ctas_per_sm", "min_chunk_blocks"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
+    value = self.split_overhead_tiles
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1024:
+      raise ValueError(f"split_overhead_tiles={value!r} must be an int in [0, 1024]")
     if self.num_splits > MAX_SPLITS:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
 

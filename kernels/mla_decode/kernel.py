@@ -81,12 +81,14 @@ def build_kernel(
   """Builds the kernel call.
 
   Returns a function `(q, cache, block_table, seq_lens, row_start, part_rows,
-  chunk) -> (o, lse)` with q `[batch, heads_padded, 576]` bf16, cache
+  part_start, row_part) -> (o, lse)` with q `[batch, heads_padded, 576]` bf16, cache
   `[num_blocks, block_size, 576]` bf16, block_table `[batch, max_blocks]`
   int32, seq_lens `[batch]` int32 (clipped here to the table), row_start
   `[batch + 1]` int32 (each row's first tile in the step's concatenation of
   rows), part_rows `[num_parts, 2]` int32 (the rows `[first, end)` a part
-  touches), chunk `[1]` int32 (tiles per part), o `[batch, num_splits,
+  touches), part_start `[num_parts + 1]` int32 (each part's first tile in the
+  concatenation), row_part `[batch]` int32 (the part holding each row's first
+  tile: a segment's split is its part's offset from there), o `[batch, num_splits,
   heads_padded, 512]` f32 and lse `[batch, num_splits, heads_padded]` f32
   (written only where a segment exists).
 
@@ -110,7 +112,8 @@ def build_kernel(
       seq_lens_ref,  # [batch] int32, GMEM
       row_start_ref,  # [batch + 1] int32, GMEM
       part_rows_ref,  # [num_parts, 2] int32, GMEM
-      chunk_ref,  # [1] int32, GMEM
+      part_start_ref,  # [num_parts + 1] int32, GMEM
+      row_part_ref,  # [batch] int32, GMEM
       o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM
       lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM
   ):
@@ -120,9 +123,9 @@ def build_kernel(
     # table or the outputs: every plan value is clipped here, where it costs
     # a few scalar instructions instead of XLA launches per call.
     max_tokens = table_ref.shape[1] * block_size
-    chunk = jnp.maximum(chunk_ref[0], 1)
-    beg = part * chunk
-    end = jnp.minimum(beg + chunk, row_start_ref[batch])
+    total = row_start_ref[batch]
+    beg = jnp.clip(part_start_ref[part], 0, total)
+    end = jnp.clip(part_start_ref[part + 1], beg, total)
     row_lo = jnp.clip(part_rows_ref[part, 0], 0, batch)
     row_hi = jnp.clip(part_rows_ref[part, 1], row_lo, batch)
     head0 = g * HEAD_TILE
@@ -137,7 +140,7 @@ def build_kernel(
       ntiles = (seq_len(row) + TILE - 1) // TILE
       lo = jnp.clip(beg - rs, 0, ntiles)
       hi = jnp.clip(end - rs, lo, ntiles)
-      split = jnp.clip(part - rs // chunk, 0, num_splits - 1)
+      split = jnp.clip(part - row_part_ref[row], 0, num_splits - 1)
       return lo, hi - lo, split
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg,

@@ -3,12 +3,14 @@
 Computed once per decode step from `seq_lens` (inside jit) and reused by every
 layer, like FlashMLA's tile-scheduler metadata. The unit is the kernel's tile
 of 64 slots (one cache block at block size 64, half of one at 128, two at
-32). All rows' tiles are laid end to end and cut into equal contiguous parts,
-one CTA per part and head group, so every CTA carries the same number of
-tiles whatever the mix of lengths.
-A part may hold the end of one row, whole rows and the start of another; a
-row cut by part boundaries yields one partial result per part (its splits),
-merged afterwards by log-sum-exp.
+32). All rows' tiles are laid end to end and cut into contiguous parts of
+equal cost, one CTA per part and head group, so every CTA carries the same
+work whatever the mix of lengths. A part's cost counts its tiles and, for each
+row segment it runs, a fixed overhead (`MLADecodeConfig.split_overhead_tiles`:
+the query load, the pipeline's restart, the partial result's store and its
+merge; about 4 tiles' time on the H200). A part may hold the end of one row,
+whole rows and the start of another; a row cut by part boundaries yields one
+partial result per part (its splits), merged afterwards by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -37,15 +39,19 @@ class MLADecodePlan(NamedTuple):
     row_start: `[batch + 1]` int32: where each row's tiles start when all
       rows are laid end to end (the last entry is the step's total).
     part_rows: `[num_parts, 2]` int32: the rows `[first, end)` that part `p`
-      (tiles `[p * chunk, (p + 1) * chunk)` of the concatenation) touches.
-      The number of parts is static: `part_rows.shape[0]`.
-    chunk: `[1]` int32: tiles per part.
+      touches. The number of parts is static: `part_rows.shape[0]`.
+    part_start: `[num_parts + 1]` int32, non-decreasing: part `p` holds tiles
+      `[part_start[p], part_start[p + 1])` of the concatenation (the last
+      entry is the step's total).
+    row_part: `[batch]` int32: the part that holds each row's first tile; the
+      row's split `j` is part `row_part[b] + j`'s share.
   """
 
   bounds: Int[Array, f"{BATCH} splits_plus_one"]
   row_start: Int[Array, "batch_plus_one"]
   part_rows: Int[Array, "parts 2"]
-  chunk: Int[Array, "1"]
+  part_start: Int[Array, "parts_plus_one"]
+  row_part: Int[Array, f"{BATCH}"]
 
   @property
   def num_splits(self) -> int:
@@ -64,11 +70,14 @@ def mla_decode_plan(
     config: MLADecodeConfig | None = None,
     num_sms: int = 132,
 ) -> MLADecodePlan:
-  """Cuts the step's tiles into equal parts, one CTA of work each.
+  """Cuts the step's tiles into parts of equal cost, one CTA of work each.
 
   Parts: `config.ctas_per_sm * num_sms` CTAs shared by the head groups of 64
-  (and never more than `batch * num_splits`, which no plan could fill). The
-  chunk (tiles per part) is the step's total over the parts, at least
+  (and never more than `batch * num_splits`, which no plan could fill). Every
+  row with tiles costs its tile count plus `config.split_overhead_tiles`
+  (counted where the row starts); the rows are laid end to end in that cost
+  and cut into equal chunks. A cut inside a row's overhead falls on its first
+  tile. The chunk is the total cost over the parts, at least
   `config.min_chunk_blocks`, and large enough that no row is cut into more
   than `config.num_splits` splits; with `num_splits == 1` no row is cut at
   all (one part holds every row). A row with `seq_len == 0` has no split.
@@ -98,25 +107,37 @@ def mla_decode_plan(
     ends = jnp.cumsum(ntiles).astype(jnp.int32)
     starts = ends - ntiles
     total = ends[-1]
+    over = config.split_overhead_tiles * (ntiles > 0).astype(jnp.int32)
+    cost_ends = jnp.cumsum(ntiles + over).astype(jnp.int32)
+    cost_starts = cost_ends - ntiles - over
+    cost_total = cost_ends[-1]
     if splits == 1:
-      chunk = jnp.maximum(total, 1)
+      chunk = jnp.maximum(cost_total, 1)
     else:
+      # A row's tiles span at most ceil((n - 1) / chunk) + 1 parts.
       chunk = jnp.maximum(
-          jnp.maximum((total + parts - 1) // parts, config.min_chunk_blocks),
+          jnp.maximum((cost_total + parts - 1) // parts, config.min_chunk_blocks),
           (jnp.max(ntiles) + splits - 2) // (splits - 1),
       )
-    # Split j of row b is its share of part (starts[b] // chunk + j).
+    # Part p starts at cost p * chunk: in the row r whose cost range holds
+    # it, at the tile that far past r's overhead (its first tile if inside).
+    cut = jnp.minimum(jnp.arange(parts + 1, dtype=jnp.int32) * chunk, cost_total)
+    r = jnp.minimum(jnp.sum(cost_ends[None, :] <= cut[:, None], axis=1), batch - 1)
+    in_row = jnp.clip(cut - cost_starts[r] - over[r], 0, ntiles[r])
+    part_start = jnp.where(cut >= cost_total, total, starts[r] + in_row).astype(jnp.int32)
+    # The part holding a row's first tile: the last one starting at or before it.
+    row_part = jnp.sum(part_start[None, :parts] <= starts[:, None], axis=1) - 1
+    row_part = jnp.maximum(row_part, 0).astype(jnp.int32)
+    # Split j of row b is its share of part row_part[b] + j.
     j = jnp.arange(splits + 1, dtype=jnp.int32)[None, :]
-    first = (starts // chunk)[:, None]
-    bounds = jnp.clip((first + j) * chunk - starts[:, None], 0, ntiles[:, None])
+    edge = part_start[jnp.minimum(row_part[:, None] + j, parts)]
+    bounds = jnp.clip(edge - starts[:, None], 0, ntiles[:, None])
     # Rows touching part p: those ending after its start and starting before
     # its end (empty rows inside are skipped by the kernel).
-    p = jnp.arange(parts, dtype=jnp.int32)[:, None]
-    lo = jnp.sum(ends[None, :] <= p * chunk, axis=1)
-    hi = jnp.sum(starts[None, :] < jnp.minimum((p + 1) * chunk, total), axis=1)
+    lo = jnp.sum(ends[None, :] <= part_start[:parts, None], axis=1)
+    hi = jnp.sum(starts[None, :] < part_start[1:, None], axis=1)
     part_rows = jnp.stack([lo, jnp.maximum(hi, lo)], axis=1).astype(jnp.int32)
     row_start = jnp.concatenate([starts, total[None]]).astype(jnp.int32)
     return MLADecodePlan(
-        bounds.astype(jnp.int32), row_start, part_rows,
-        jnp.reshape(chunk, (1,)).astype(jnp.int32),
+        bounds.astype(jnp.int32), row_start, part_rows, part_start, row_part
     )

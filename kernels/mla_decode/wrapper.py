@@ -69,8 +69,11 @@ def _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, co
     pr = plan.part_rows
     if pr.ndim != 2 or pr.shape[0] < 1 or pr.shape[1] != 2 or pr.dtype != jnp.int32:
       raise ValueError(f"{plan.part_rows.shape=} {plan.part_rows.dtype=} must be [parts, 2] int32")
-    if plan.chunk.shape != (1,) or plan.chunk.dtype != jnp.int32:
-      raise ValueError(f"{plan.chunk.shape=} {plan.chunk.dtype=} must be [1] int32")
+    ps = plan.part_start
+    if ps.shape != (pr.shape[0] + 1,) or ps.dtype != jnp.int32:
+      raise ValueError(f"{plan.part_start.shape=} {plan.part_start.dtype=} must be [parts + 1 = {pr.shape[0] + 1}] int32")
+    if plan.row_part.shape != (batch,) or plan.row_part.dtype != jnp.int32:
+      raise ValueError(f"{plan.row_part.shape=} {plan.row_part.dtype=} must be [{batch}] int32")
   if config is not None and not isinstance(config, MLADecodeConfig):
     raise ValueError(f"config must be an MLADecodeConfig, got {type(config)}")
 
@@ -145,7 +148,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret,
   )
-  o, lse = call(q, cache, block_table, seq_lens, plan.row_start, plan.part_rows, plan.chunk)
+  o, lse = call(q, cache, block_table, seq_lens, plan.row_start, plan.part_rows,
+              plan.part_start, plan.row_part)
   if plan.num_splits > _merge.MAX_SPLITS:
     # Few rows, many splits (most of them live): the merge kernel's one CTA
     # per row would walk them one by one; XLA's fused merge reads them all
