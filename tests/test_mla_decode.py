@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -332,19 +334,49 @@ def _cut_points(ntiles, parts, chunk, overhead):
     ],
 )
 def test_plan_parts_are_balanced_and_cover_every_block_once(seq_lens, splits, ctas, overhead):
+  _check_plan(seq_lens, splits=splits, ctas=ctas, overhead=overhead, min_chunk=1, heads=64)
+
+
+_LENGTH = st.one_of(st.just(0), st.integers(1, 3 * BS), st.integers(1, 40 * BS))
+
+
+@hypothesis.given(
+    # A few batch sizes only: the plan's small ops compile once per shape.
+    seq_lens=st.sampled_from([5, 24]).flatmap(
+        lambda n: st.lists(_LENGTH, min_size=n, max_size=n)
+    ),
+    splits=st.sampled_from([1, 3, 7]),
+    ctas=st.sampled_from([4, 264]),
+    overhead=st.integers(0, 8),
+    min_chunk=st.integers(1, 40),
+    heads=st.sampled_from([64, 128]),
+)
+@hypothesis.settings(max_examples=25)
+def test_plan_invariants_on_random_steps(seq_lens, splits, ctas, overhead, min_chunk, heads):
+  _check_plan(seq_lens, splits=splits, ctas=ctas, overhead=overhead, min_chunk=min_chunk, heads=heads)
+
+
+def _check_plan(seq_lens, *, splits, ctas, overhead, min_chunk, heads):
+  """The plan against a walk of the cost line: parts, splits, bounds, coverage."""
   lens = jnp.asarray(seq_lens, jnp.int32)
   config = MLADecodeConfig(
-      num_splits=splits, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=overhead
+      num_splits=splits, ctas_per_sm=1, min_chunk_blocks=min_chunk,
+      split_overhead_tiles=overhead,
   )
-  plan = jax.jit(lambda s: mla_decode_plan(s, num_heads=64, config=config, num_sms=ctas))(lens)
+  plan = jax.jit(lambda s: mla_decode_plan(s, num_heads=heads, config=config, num_sms=ctas))(lens)
   nblk = -(-np.asarray(seq_lens) // BS)
   cost = int(nblk.sum() + overhead * (nblk > 0).sum())
   parts = plan.num_parts
-  # Equal cost per part, unless a row would need more splits.
-  chunk = max(-(-cost // parts), 1, -(-int(nblk.max()) // (splits - 1)))
+  assert parts == max(1, min(ctas // -(-heads // 64), len(seq_lens) * splits))
+  # Equal cost per part, unless a row would need more splits; one split: one part.
+  if splits == 1:
+    chunk = max(cost, 1)
+  else:
+    chunk = max(-(-cost // parts), min_chunk, -(-int(nblk.max()) // (splits - 1)))
   np.testing.assert_array_equal(plan.part_start, _cut_points(nblk, parts, chunk, overhead))
   bounds = np.asarray(plan.bounds)
   rs = np.asarray(plan.row_start)
+  np.testing.assert_array_equal(rs, np.concatenate([[0], np.cumsum(nblk)]))
   seen = np.zeros((len(seq_lens), int(nblk.max()) + 1), np.int32)
   for p, segs in enumerate(_segments(plan, seq_lens)):
     # A part's tiles plus an overhead per row it starts stay within its chunk,
@@ -363,6 +395,8 @@ def test_plan_parts_are_balanced_and_cover_every_block_once(seq_lens, splits, ct
       ps = np.asarray(plan.part_start)
       p = int(plan.row_part[row])
       assert ps[p] <= rs[row] < ps[p + 1]
+  assert (np.diff(bounds, axis=1) >= 0).all()
+  np.testing.assert_array_equal(bounds[:, 0], 0)
   np.testing.assert_array_equal(bounds[:, -1], nblk)
 
 
