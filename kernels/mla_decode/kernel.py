@@ -59,6 +59,15 @@ SLOT_HALF = 32  # slots of a block whose scores one consumer warpgroup computes
 NUM_STAGES = 2
 NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
 _LOG2E = math.log2(math.e)
+# Ranges per warpgroup the in-kernel profiler can record: its buffer takes
+# 3 x 16 B per range from the SMEM the kernel leaves free (224,312 of
+# 232,448 B). Past it, events are dropped (`profile_bounds_check`).
+PROFILE_RANGES = 168
+# Named regions of the in-kernel profile (see `build_kernel(profile_dir=)`).
+REGIONS = (
+    "kv_wait", "tile", "last_tile", "query_wait", "epilogue",  # consumers
+    "stage_wait", "issue", "query_free_wait",  # producer
+)
 
 
 def _bf16_tile():
@@ -77,6 +86,7 @@ def build_kernel(
     sm_scale: float,
     select: bool,
     interpret,
+    profile_dir: str | None = None,
 ):
   """Builds the kernel call.
 
@@ -96,8 +106,15 @@ def build_kernel(
   block of 128 two (its halves), and a tile of 32-slot blocks two blocks
   (the second one the row's last block again where the row ends inside the
   tile; masked in both modes, never the padding's null block).
+
+  With `profile_dir` (compiled calls only), every call also writes a trace
+  of the `REGIONS` each warpgroup of each CTA went through (Mosaic GPU's
+  profiler, SM clock cycles; `benchmarks/profile_mla_decode.py` reads it).
+  A warpgroup records at most `PROFILE_RANGES` of them.
   """
   assert block_size in BLOCK_SIZES
+  if profile_dir and interpret is not None:
+    raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)
   piece_slots = min(block_size, TILE)
@@ -202,7 +219,8 @@ def build_kernel(
             # The query buffers are free once both consumers finished the
             # previous segment's last block (QK reads Q, PV reads P, where
             # the RoPE query lands).
-            pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
+            with jax.named_scope("query_free_wait"):
+              pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
             for h in range(2):
               plgpu.copy_gmem_to_smem(
                   q_ref.at[row, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
@@ -215,10 +233,12 @@ def build_kernel(
             def _(i):
               step = steps + i
               slot = lax.rem(step, NUM_STAGES)
-              pl.when(step >= NUM_STAGES)(
-                  lambda: plgpu.barrier_wait(free_bar.at[slot])
-              )
-              issue(row, lo + i, slot)
+              with jax.named_scope("stage_wait"):
+                pl.when(step >= NUM_STAGES)(
+                    lambda: plgpu.barrier_wait(free_bar.at[slot])
+                )
+              with jax.named_scope("issue"):
+                issue(row, lo + i, slot)
 
           return steps + n, segs + (n > 0).astype(jnp.int32)
 
@@ -246,13 +266,18 @@ def build_kernel(
           )
 
         def kv_step(i, carry, *, row, lo, steps, q_rope, last: bool):
+          slot = lax.rem(steps + i, NUM_STAGES)
+          with jax.named_scope("kv_wait"):
+            plgpu.barrier_wait(kv_bar.at[slot])
+          with jax.named_scope("last_tile" if last else "tile"):
+            return kv_tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, last=last)
+
+        def kv_tile(i, carry, slot, *, row, lo, q_rope, last: bool):
           # `last` is static. Only the last block of a segment can hold
           # slots past seq_len, so the steady-state loop runs the unmasked
           # body, the same in both modes, and only the peeled last step pays
           # for masking.
           acc, m_i, l_i = carry
-          slot = lax.rem(steps + i, NUM_STAGES)
-          plgpu.barrier_wait(kv_bar.at[slot])
 
           def qk(s_ref):
             for h in range(2):
@@ -339,7 +364,8 @@ def build_kernel(
 
           @pl.when(n > 0)
           def _():
-            plgpu.barrier_wait(q_bar)
+            with jax.named_scope("query_wait"):
+              plgpu.barrier_wait(q_bar)
             # The RoPE part of the query lives in registers (16 per thread).
             # (The interpreter cannot take a register operand for a wgmma
             # into an accumulator ref: it reads it from SMEM.)
@@ -355,20 +381,24 @@ def build_kernel(
                 0, n - 1, functools.partial(step, last=False), (acc, m_i, l_i)
             )
             acc, m_i, l_own = step(n - 1, carry, last=True)
-            # The other half's sum, through the exchange rows (free: the
-            # other warpgroup read our last maximum before the last P
-            # rendezvous). The second rendezvous keeps the next segment's
-            # maxima from overwriting a sum not yet read.
-            xchg[wg] = l_own
-            sync_consumers()
-            l_i = l_own + other_rows()
-            sync_consumers()
-            o, lse = softmax_finish(acc, m_i, l_i)
-            o_ref[row, split, heads, pl.ds(wg * HALF, HALF)] = o
-            if wg == 0:
-              lse_ref[row, split, heads] = lse
+            with jax.named_scope("epilogue"):
+              finish(row, split, acc, m_i, l_own)
 
           return steps + n
+
+        def finish(row, split, acc, m_i, l_own):
+          # The other half's sum, through the exchange rows (free: the other
+          # warpgroup read our last maximum before the last P rendezvous).
+          # The second rendezvous keeps the next segment's maxima from
+          # overwriting a sum not yet read.
+          xchg[wg] = l_own
+          sync_consumers()
+          l_i = l_own + other_rows()
+          sync_consumers()
+          o, lse = softmax_finish(acc, m_i, l_i)
+          o_ref[row, split, heads, pl.ds(wg * HALF, HALF)] = o
+          if wg == 0:
+            lse_ref[row, split, heads] = lse
 
         lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
 
@@ -404,6 +434,7 @@ def build_kernel(
       out_type=split_outputs(batch, num_splits, heads_padded),
       kernel_name="jaxkv_mla_decode",
       interpret=interpret,
+      profile_dir=profile_dir,
   )
 
 
@@ -443,7 +474,7 @@ def split_outputs(batch, num_splits, heads_padded):
   )
 
 
-def launch(body, *, grid, grid_names, out_type, kernel_name, interpret):
+def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None):
   """The launch of both MLA decode kernels: three warpgroups ("wg") per CTA.
 
   The last grid axis varies fastest: make it the head group, so that the
@@ -458,6 +489,8 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret):
     out_type: the outputs' shapes and dtypes.
     kernel_name: the name profiles show.
     interpret: None (compiled) or the interpreter's parameters.
+    profile_dir: where the in-kernel profiler writes each call's trace (it
+      records `PROFILE_RANGES` ranges per warpgroup; None: no profiler).
 
   Returns:
     The kernel call.
@@ -469,7 +502,11 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret):
       grid_names=grid_names,
       num_threads=NUM_THREADS,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, unsafe_no_auto_barriers=True,
+          **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
+                  profile_bounds_check=True) if profile_dir else {}),
+      ),
       kernel_name=kernel_name,
       interpret=interpret,
   )

@@ -1,0 +1,130 @@
+"""In-kernel timeline of dense MLA decode on the GPU: where each CTA's time goes.
+
+Usage: python benchmarks/profile_mla_decode.py [--shape B:H:CTX] [--mode select|multiply]
+       [--keep DIR]
+
+Builds the kernel with Mosaic GPU's profiler on (`build_kernel(profile_dir=...)`),
+runs it on random data laid out like bench_mla_decode.py, and prints per warpgroup
+role the SM clock cycles each CTA spent in each named region (`kernel.REGIONS`),
+the spread of the CTAs' spans, and a least-squares fit of a CTA's span on its tiles
+and row segments (what one more segment costs, in tiles, is what
+`MLADecodeConfig.split_overhead_tiles` should be). The profiled kernel runs ~30%
+slower than the plain one (both are timed): read shares, not absolute times. A
+warpgroup records at most `PROFILE_RANGES` ranges, two per tile for the consumers,
+so a CTA of more than ~80 tiles is cut short: profile a shorter context. The trace
+(Chrome / Perfetto JSON) stays under --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import tempfile
+
+import jax
+import numpy as np
+from jax.experimental.mosaic.gpu.profiler import measure
+
+import bench_mla_decode as B
+from jaxkv.kernels.mla_decode import kernel as K
+from jaxkv.kernels.mla_decode import mla_decode_plan
+
+ROLES = {0: "consumer 0", 1: "consumer 1", 2: "producer"}
+
+
+def build(q, cache, plan, select, profile_dir=None):
+  return jax.jit(K.build_kernel(
+      batch=q.shape[0], heads_padded=q.shape[1], num_parts=plan.num_parts,
+      num_splits=plan.num_splits, block_size=cache.shape[1], sm_scale=B.D**-0.5,
+      select=select, interpret=None, profile_dir=profile_dir,
+  ))
+
+
+def kernel_ms(fn, args):
+  _, t = measure(fn, aggregate=False, iterations=5)(*args)
+  return float(np.median([sum(ms for _, ms in it) for it in t]))
+
+
+def ranges(trace_path):
+  """{(cta, warpgroup): [(region, begin, end), ...]} from a trace file."""
+  events = json.load(open(trace_path))["traceEvents"]
+  open_, out = {}, {}
+  for e in events:
+    key = divmod(e["tid"] - 1, K.NUM_THREADS)
+    if e["ph"] == "B":
+      open_.setdefault(key, []).append(e)
+    else:
+      b = open_[key].pop()
+      out.setdefault(key, []).append((e["name"], b["ts"], e["ts"]))
+  return out
+
+
+def report(rr):
+  ctas = sorted({c for c, _ in rr})
+  n = len(ctas)
+  full = sum(1 for v in rr.values() if len(v) >= K.PROFILE_RANGES)
+  if full:
+    print(f"warning: {full} warpgroup traces hit {K.PROFILE_RANGES} ranges and were cut short")
+  # The profiler's time unit is the SM clock (it prints them as microseconds).
+  kc = 1e3  # trace units -> cycles are 1e3 per unit
+  span, tiles, segs = [], [], []
+  for c in ctas:
+    evs = [x for w in range(K.NUM_THREADS) for x in rr.get((c, w), [])]
+    span.append((max(x[2] for x in evs) - min(x[1] for x in evs)) * kc)
+    tiles.append(sum(1 for x in rr.get((c, 0), []) if x[0] == "kv_wait"))
+    segs.append(sum(1 for x in rr.get((c, 0), []) if x[0] == "epilogue"))
+  span, tiles, segs = map(np.asarray, (span, tiles, segs))
+  print(f"{n} CTAs; span (kcycles) min/median/p90/max "
+        f"{' / '.join(f'{v / 1e3:.1f}' for v in np.percentile(span, [0, 50, 90, 100]))}")
+  print("role        region           kcycles per CTA   count per CTA   cycles each")
+  for w in range(K.NUM_THREADS):
+    for region in K.REGIONS:
+      xs = [z - a for c in ctas for nm, a, z in rr.get((c, w), []) if nm == region]
+      if xs:
+        print(f"{ROLES[w]:11s} {region:16s} {sum(xs) * kc / n / 1e3:14.1f} "
+              f"{len(xs) / n:15.1f} {np.mean(xs) * kc:13.0f}")
+  live = tiles > 0
+  if live.sum() > 3 and len(set(segs[live])) > 1:
+    a = np.stack([np.ones(live.sum()), tiles[live], segs[live]], axis=1)
+    (c0, per_tile, per_seg), *_ = np.linalg.lstsq(a, span[live], rcond=None)
+    print(f"fit: span = {c0 / 1e3:.1f}k + {per_tile / 1e3:.2f}k x tiles + {per_seg / 1e3:.2f}k x segments"
+          f" cycles: one segment costs {per_seg / per_tile:.1f} tiles")
+    for k in sorted(set(segs[live])):
+      m = live & (segs == k)
+      print(f"  CTAs with {k} segments: {m.sum():3d}, mean span {span[m].mean() / 1e3:.1f}k, "
+            f"mean tiles {tiles[m].mean():.1f}")
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shape", default="128:64:2048", help="batch:heads:mean ctx")
+  ap.add_argument("--mode", default="select", choices=("select", "multiply"))
+  ap.add_argument("--keep", default=None, help="directory that keeps the trace")
+  args = ap.parse_args()
+  b, h, ctx = map(int, args.shape.split(":"))
+  rng = np.random.default_rng(0)
+  lens = B.make_lens(rng, b, ctx)
+  q, cache, tables, lens = B.make_problem(rng, lens, h, 1)
+  plan = mla_decode_plan(lens, num_heads=h)
+  call_args = (q, cache, tables[0], lens, plan.row_start, plan.part_rows,
+               plan.part_start, plan.row_part)
+  select = args.mode == "select"
+  out_dir = args.keep or tempfile.mkdtemp()
+  os.makedirs(out_dir, exist_ok=True)
+  plain = kernel_ms(build(q, cache, plan, select), call_args)
+  prof = build(q, cache, plan, select, out_dir)
+  before = set(glob.glob(os.path.join(out_dir, "*.json")))
+  jax.block_until_ready(prof(*call_args))
+  jax.effects_barrier()
+  traces = sorted(set(glob.glob(os.path.join(out_dir, "*.json"))) - before, key=os.path.getmtime)
+  profiled = kernel_ms(prof, call_args)
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {b} x {h} x {ctx}, {args.mode}, "
+        f"{plan.num_parts} parts x {-(-h // 64)} head groups; kernel {plain * 1e3:.1f} us, "
+        f"profiled {profiled * 1e3:.1f} us; trace {traces[-1]}")
+  report(ranges(traces[-1]))
+
+
+if __name__ == "__main__":
+  main()
