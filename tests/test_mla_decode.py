@@ -277,6 +277,16 @@ def test_bad_inputs(change, match):
     mla_decode(q, cache, table, lens, **args)
 
 
+def test_profiler_needs_a_compiled_kernel():
+  from jaxkv.kernels.mla_decode import kernel
+
+  with pytest.raises(ValueError, match="profile_dir"):
+    kernel.build_kernel(
+        batch=1, heads_padded=64, num_parts=1, num_splits=1, block_size=64,
+        sm_scale=0.1, select=True, interpret=object(), profile_dir="/tmp/trace",
+    )
+
+
 def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   """Where the CPU backend cannot run the three warpgroups at once, the interpreted
   kernel would wait forever: the call raises, naming the fix, before launching."""
