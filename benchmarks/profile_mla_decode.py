@@ -67,8 +67,8 @@ def report(rr):
   full = sum(1 for v in rr.values() if len(v) >= K.PROFILE_RANGES)
   if full:
     print(f"warning: {full} warpgroup traces hit {K.PROFILE_RANGES} ranges and were cut short")
-  # The profiler's time unit is the SM clock (it prints them as microseconds).
-  kc = 1e3  # trace units -> cycles are 1e3 per unit
+  # Within a CTA the trace's timestamps count SM clock cycles / 1000.
+  kc = 1e3  # cycles per trace unit
   span, tiles, segs = [], [], []
   for c in ctas:
     evs = [x for w in range(K.NUM_THREADS) for x in rr.get((c, w), [])]

@@ -1,8 +1,9 @@
 """Mosaic GPU body of dense paged MLA decode: persistent CTAs over balanced parts.
 
 The plan cuts the step's tiles (64 slots: a cache block at block size 64,
-half of one at 128, two at 32), all rows laid end to end, into equal
-contiguous parts (FlashMLA's tile-scheduler metadata). One CTA per (part,
+half of one at 128, two at 32), all rows laid end to end, into contiguous
+parts of equal cost (tiles plus an overhead per row segment; FlashMLA's
+tile-scheduler metadata does the same). One CTA per (part,
 head group) walks its part row segment by row segment: a segment is a row's
 tiles inside the part, and yields one normalised partial result (O and LSE)
 of that row, its split. The two head groups of a part are adjacent CTAs, so
