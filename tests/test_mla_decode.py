@@ -440,6 +440,28 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe():
   assert not np.isnan(np.asarray(lse)).any()
 
 
+def test_a_stale_plan_reads_nothing_outside_the_rows():
+  """A plan computed for other lengths (rows it thinks longer, shorter, empty, or
+  longer than the table holds) gives wrong splits but never reads a slot outside
+  the current rows' blocks: with those NaN, "select" stays finite."""
+  seq_lens = [2 * BS + 5, 3, 0, 4 * BS]
+  stale_lens = [BS, 6 * BS, 3 * BS, 2 * BS + 1]
+  # The table is exactly as wide as the longest current row: the stale plan's
+  # 6-block row would run past it.
+  q, cache, table, lens = _problem(13, seq_lens, 16, max_blocks=4)
+  config = MLADecodeConfig(num_splits=3, ctas_per_sm=1, min_chunk_blocks=1)
+  plan = mla_decode_plan(jnp.asarray(stale_lens, jnp.int32), num_heads=16, config=config, num_sms=4)
+  poisoned, _ = _poison(cache, table, lens)
+  out, lse = mla_decode(
+      q, jnp.asarray(poisoned, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+      sm_scale=SCALE, plan=plan, interpret=FAST,
+  )
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert not np.isnan(np.asarray(lse)).any()
+  # The empty row stays empty whatever the plan says.
+  assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
+
+
 def test_merge_kernel_matches_combine_and_reads_only_live_splits():
   from jaxkv.kernels.mla_decode.merge import build_merge
 
