@@ -67,33 +67,32 @@ def report(rr):
   full = sum(1 for v in rr.values() if len(v) >= K.PROFILE_RANGES)
   if full:
     print(f"warning: {full} warpgroup traces hit {K.PROFILE_RANGES} ranges and were cut short")
-  # Within a CTA the trace's timestamps count SM clock cycles / 1000.
-  kc = 1e3  # cycles per trace unit
+  # Within a CTA the trace's timestamps count thousands of SM clock cycles.
   span, tiles, segs = [], [], []
   for c in ctas:
     evs = [x for w in range(K.NUM_THREADS) for x in rr.get((c, w), [])]
-    span.append((max(x[2] for x in evs) - min(x[1] for x in evs)) * kc)
+    span.append(max(x[2] for x in evs) - min(x[1] for x in evs))
     tiles.append(sum(1 for x in rr.get((c, 0), []) if x[0] == "kv_wait"))
     segs.append(sum(1 for x in rr.get((c, 0), []) if x[0] == "epilogue"))
   span, tiles, segs = map(np.asarray, (span, tiles, segs))
   print(f"{n} CTAs; span (kcycles) min/median/p90/max "
-        f"{' / '.join(f'{v / 1e3:.1f}' for v in np.percentile(span, [0, 50, 90, 100]))}")
+        f"{' / '.join(f'{v:.1f}' for v in np.percentile(span, [0, 50, 90, 100]))}")
   print("role        region           kcycles per CTA   count per CTA   cycles each")
   for w in range(K.NUM_THREADS):
     for region in K.REGIONS:
       xs = [z - a for c in ctas for nm, a, z in rr.get((c, w), []) if nm == region]
       if xs:
-        print(f"{ROLES[w]:11s} {region:16s} {sum(xs) * kc / n / 1e3:14.1f} "
-              f"{len(xs) / n:15.1f} {np.mean(xs) * kc:13.0f}")
+        print(f"{ROLES[w]:11s} {region:16s} {sum(xs) / n:14.1f} "
+              f"{len(xs) / n:15.1f} {np.mean(xs) * 1e3:13.0f}")
   live = tiles > 0
   if live.sum() > 3 and len(set(segs[live])) > 1:
     a = np.stack([np.ones(live.sum()), tiles[live], segs[live]], axis=1)
     (c0, per_tile, per_seg), *_ = np.linalg.lstsq(a, span[live], rcond=None)
-    print(f"fit: span = {c0 / 1e3:.1f}k + {per_tile / 1e3:.2f}k x tiles + {per_seg / 1e3:.2f}k x segments"
+    print(f"fit: span = {c0:.1f}k + {per_tile:.2f}k x tiles + {per_seg:.2f}k x segments"
           f" cycles: one segment costs {per_seg / per_tile:.1f} tiles")
     for k in sorted(set(segs[live])):
       m = live & (segs == k)
-      print(f"  CTAs with {k} segments: {m.sum():3d}, mean span {span[m].mean() / 1e3:.1f}k, "
+      print(f"  CTAs with {k} segments: {m.sum():3d}, mean span {span[m].mean():.1f}k, "
             f"mean tiles {tiles[m].mean():.1f}")
 
 

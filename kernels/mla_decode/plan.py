@@ -109,7 +109,7 @@ def mla_decode_plan(
     total = ends[-1]
     over = config.split_overhead_tiles * (ntiles > 0).astype(jnp.int32)
     cost_ends = jnp.cumsum(ntiles + over).astype(jnp.int32)
-    cost_starts = cost_ends - ntiles - over
+    tiles_from = cost_ends - ntiles  # where each row's tiles start in cost
     cost_total = cost_ends[-1]
     if splits == 1:
       chunk = jnp.maximum(cost_total, 1)
@@ -123,7 +123,7 @@ def mla_decode_plan(
     # it, at the tile that far past r's overhead (its first tile if inside).
     cut = jnp.minimum(jnp.arange(parts + 1, dtype=jnp.int32) * chunk, cost_total)
     r = jnp.minimum(jnp.sum(cost_ends[None, :] <= cut[:, None], axis=1), batch - 1)
-    in_row = jnp.clip(cut - cost_starts[r] - over[r], 0, ntiles[r])
+    in_row = jnp.clip(cut - tiles_from[r], 0, ntiles[r])
     part_start = jnp.where(cut >= cost_total, total, starts[r] + in_row).astype(jnp.int32)
     # The part holding a row's first tile: the last one starting at or before it.
     row_part = jnp.sum(part_start[None, :parts] <= starts[:, None], axis=1) - 1
