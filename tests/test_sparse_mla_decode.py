@@ -57,7 +57,9 @@ def _check(out, lse, ref_out, ref_lse):
     ],
 )
 def test_matches_reference(heads, mode, splits, dup):
-  q, cache, idx = _inputs(heads, 2, heads, 64, dup=dup, dead_rows=(1,) if heads == 16 else ())
+  q, cache, idx = _inputs(
+      heads, 2, heads, 64 * splits, dup=dup, dead_rows=(1,) if heads == 16 else ()
+  )
   out, lse = _run(q, cache, idx, mode, splits)
   assert out.shape == (2, heads, 512) and out.dtype == q.dtype
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
@@ -79,7 +81,7 @@ def test_long_index_list(mode):
 
 def test_nan_poisoning():
   """NaN in slot 0 and in every slot no row indexes."""
-  q, cache, idx = _inputs(7, 4, 16, 64, invalid=0.0, dead_rows=(3,))
+  q, cache, idx = _inputs(7, 4, 16, 128, invalid=0.0, dead_rows=(3,))
   idx = idx.at[1, 5].set(-1).at[2, ::3].set(-1)  # rows 1, 2 hold a -1; row 0 none
   used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
   used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
@@ -106,7 +108,7 @@ def test_nan_poisoning():
 
 
 def test_inside_jit_with_traced_indices():
-  q, cache, idx = _inputs(3, 1, 16, 64)
+  q, cache, idx = _inputs(3, 1, 16, 128)
   f = jax.jit(lambda q, c, i: _run(q, c, i, "select", 2))
   out, lse = f(q, cache, idx)
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
@@ -178,14 +180,22 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
 
 
 def test_gather_slots_stay_inside_the_selection():
-  """"select" reads a -1 as the row's first valid slot, "multiply" as slot 0; a row
-  without a valid index reads slot 0 in both (its result is discarded)."""
-  from jaxkv.kernels.sparse_mla_decode.kernel import gather_slots
+  """"select" reads a -1 as the row's first valid slot; "multiply" reads slot 0 for
+  the first -1 of each kernel tile and the row's first valid slot for the rest; a
+  row without a valid index reads slot 0 in both (its result is discarded)."""
+  from jaxkv.kernels.sparse_mla_decode.kernel import TILE, gather_slots
 
-  idx = jnp.asarray([[-1, 5, -1, 7], [-1, -1, -1, -1], [3, -1, 4, 2]], jnp.int32)
-  np.testing.assert_array_equal(
-      np.asarray(gather_slots(idx, True)), [[5, 5, 5, 7], [0, 0, 0, 0], [3, 3, 4, 2]]
-  )
-  np.testing.assert_array_equal(
-      np.asarray(gather_slots(idx, False)), [[0, 5, 0, 7], [0, 0, 0, 0], [3, 0, 4, 2]]
-  )
+  idx = np.arange(10, 10 + 3 * 2 * TILE, dtype=np.int32).reshape(3, 2 * TILE)
+  idx[0, [0, 2, TILE + 6, TILE + 30]] = -1  # first valid slot of row 0: idx[0, 1]
+  idx[1] = -1
+  idx[2, TILE] = -1  # tile 0 of row 2 has none
+  sel = np.asarray(gather_slots(jnp.asarray(idx), True))
+  mul = np.asarray(gather_slots(jnp.asarray(idx), False))
+  for out in (sel, mul):
+    valid = idx >= 0
+    np.testing.assert_array_equal(out[valid], idx[valid])
+    assert (out[1] == 0).all()
+  np.testing.assert_array_equal(sel[0, [0, 2, TILE + 6, TILE + 30]], [11, 11, 11, 11])
+  np.testing.assert_array_equal(sel[2, TILE], idx[2, 0])
+  np.testing.assert_array_equal(mul[0, [0, 2, TILE + 6, TILE + 30]], [0, 11, 0, 11])
+  assert mul[2, TILE] == 0

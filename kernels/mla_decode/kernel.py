@@ -71,7 +71,7 @@ REGIONS = (
 )
 
 
-def _bf16_tile():
+def bf16_tile():
   # 32-column (64-byte swizzled) tiles: wgmma takes A and B under the same
   # transforms, and P and each warpgroup's score slice are 32 slots wide.
   return (plgpu.TilingTransform((8, SLOT_HALF)), plgpu.SwizzleTransform(2 * SLOT_HALF))
@@ -406,7 +406,7 @@ def build_kernel(
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
 
-    bf16 = _bf16_tile()
+    bf16 = bf16_tile()
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),

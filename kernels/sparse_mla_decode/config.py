@@ -9,6 +9,7 @@ from jaxkv.kernels._common import device_kind, load_tuning
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
+TILE = 64  # indices per kernel step (`kernel.TILE`)
 IMPLEMENTATIONS = ("xla", "pallas")
 
 
@@ -20,7 +21,7 @@ class SparseMLADecodeConfig:
     num_splits: splits of each row's top-k list, one CTA each, merged by
       log-sum-exp afterwards; more fill the SMs at small batch, at the cost of
       one float32 partial output per split. `topk` must be a multiple of
-      `32 * num_splits`.
+      `64 * num_splits` (the kernel's tile).
     implementation: what a compiled (non-interpreted) call runs: "pallas"
       (the Mosaic GPU kernel, the default; needs a Hopper GPU) or "xla" (the
       jnp reference: any device, 2-3x slower on an H200). Interpreted calls
@@ -46,7 +47,7 @@ def heuristic_config(
   """A config for any device: split until the grid covers the SMs once."""
   ctas = batch * -(-num_heads // 64)
   splits = 1
-  while ctas * splits * 2 <= num_sms and topk % (32 * splits * 2) == 0:
+  while ctas * splits * 2 <= num_sms and topk % (TILE * splits * 2) == 0:
     splits *= 2
   return SparseMLADecodeConfig(num_splits=min(splits, MAX_SPLITS))
 
@@ -58,7 +59,7 @@ def config_from_entries(
   for entry in entries:
     if batch <= entry["max_batch"] and num_heads in entry["heads"]:
       config = SparseMLADecodeConfig(**entry["config"])
-      if topk % (32 * config.num_splits) == 0:
+      if topk % (TILE * config.num_splits) == 0:
         return config
   return None
 

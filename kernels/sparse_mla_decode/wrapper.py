@@ -134,7 +134,7 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
   qp = q.astype(jnp.bfloat16)
   if heads_padded != heads:
     qp = jnp.pad(qp, ((0, 0), (0, heads_padded - heads), (0, 0)))
-  rows = cache.reshape(-1, _kernel.NUM_CHUNKS, _kernel.CHUNK)
+  rows = cache.reshape(-1, _kernel.HEAD_DIM)
   call = _kernel.build_kernel(
       batch=batch,
       heads_padded=heads_padded,

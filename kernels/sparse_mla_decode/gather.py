@@ -1,0 +1,135 @@
+"""The sparse kernel's row gather: per-thread `cp.async` straight into swizzled tiles.
+
+A tile's rows are arbitrary cache slots. One TMA copy per row cannot write a
+wgmma operand (an operand's 8-row tiles interleave the rows), and a row-major
+landing tile costs a register relayout per tile. Here each of the producer
+warpgroup's 128 threads copies its 16-byte pieces of the rows itself, with
+`cp.async` (global -> shared, no registers in between), to the address the
+operand's tiling and swizzle give each piece; the copies of a tile form one
+`cp.async` group that the producer waits on before it releases the tile.
+
+Pallas exposes no per-thread gathered copy, so this is written in Mosaic GPU's
+own IR (`plgpu.inline_mgpu`) and runs compiled only; the interpreter's
+producer copies rows with one-row TMA copies instead (see `kernel.py`).
+
+Layout (bf16, 32-column tiles, 64-byte swizzle, as `mla_decode.kernel`
+allocates its operands): element (row, col) of a `[rows, cols]` buffer lives in
+the 512-byte tile `(row // 8, col // 32)` (row-major over tiles), at byte
+`(row % 8) * 64 + 2 * (col % 32)` in it, with the 16-byte chunk index (bits
+4-5) XORed with bits 7-8 of that in-tile offset, i.e. with `(row % 8) // 2`.
+"""
+
+from __future__ import annotations
+
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
+
+HEAD_DIM = 576
+LATENT = 512
+HALF = 256  # channels per latent half buffer
+COLS = 32  # columns per operand tile
+TILE_BYTES = 8 * COLS * 2  # one [8, 32] bf16 tile
+PIECE = 16  # bytes per cp.async
+LANES_PER_ROW = 8  # threads per 128-byte span of a row
+ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
+SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
+
+
+def issue_gather(ids, cache, k_lat, k_rope, *, tile: int, transforms) -> None:
+  """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r (one cp.async group).
+
+  Called by all 128 threads of one warpgroup, compiled only.
+
+  Args:
+    ids: `[tile]` int32 SMEM ref: the cache rows (clamped into the cache).
+    cache: `[num_rows, 576]` bf16 GMEM ref.
+    k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
+      `transforms`.
+    k_rope: `[tile, 64]` bf16 SMEM ref under `transforms`.
+    tile: rows per call, a multiple of 16.
+    transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
+  """
+  assert tile % ROWS_PER_PASS == 0
+  lat_tiles_per_row = HALF // COLS  # tiles across one 8-row band of a half
+  rope_tiles_per_row = (HEAD_DIM - LATENT) // COLS
+
+  @plgpu.inline_mgpu(
+      arg_types=(
+          plgpu.RefType(),
+          plgpu.RefType(),
+          plgpu.RefType(transforms=transforms),
+          plgpu.RefType(transforms=transforms),
+      )
+  )
+  def _issue(_ctx, ids_ref, cache_ref, lat_ref, rope_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    i8 = ir.IntegerType.get_signless(8)
+    index = ir.IndexType.get()
+    c32 = lambda v: mgpu_utils.c(v, i32)
+    num_rows = ir.MemRefType(cache_ref.type).shape[0]
+
+    t = arith.remui(mgpu_utils.thread_idx(), c32(128))
+    lane = arith.remui(t, c32(LANES_PER_ROW))  # 16-byte piece within a 128-byte span
+    row0 = arith.divui(t, c32(LANES_PER_ROW))  # first row; then every 16th
+    # Inside an 8-row tile: the row's 64-byte line, the swizzled piece.
+    in_row = arith.remui(row0, c32(8))
+    chunk = arith.xori(arith.remui(lane, c32(4)), arith.shrui(in_row, c32(1)))
+    in_tile = arith.addi(arith.muli(in_row, c32(COLS * 2)), arith.muli(chunk, c32(PIECE)))
+    band = arith.divui(row0, c32(8))
+    col_tile = arith.divui(lane, c32(4))  # which of a span's two 32-column tiles
+
+    def dst_base(tiles_per_band):
+      tile_idx = arith.addi(arith.muli(band, c32(tiles_per_band)), col_tile)
+      return arith.addi(arith.muli(tile_idx, c32(TILE_BYTES)), in_tile)
+
+    lat_base = dst_base(lat_tiles_per_row)
+    rope_base = dst_base(rope_tiles_per_row)
+    lat_ptr = mgpu_utils.memref_ptr(lat_ref)
+    rope_ptr = mgpu_utils.memref_ptr(rope_ref)
+    cache_ptr = llvm.addrspacecast(
+        llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(cache_ref)
+    )
+    band_stride = 2 * lat_tiles_per_row * TILE_BYTES  # two bands per pass
+    for p in range(tile // ROWS_PER_PASS):
+      r = arith.addi(row0, c32(p * ROWS_PER_PASS))
+      sid = memref.load(ids_ref, [arith.index_cast(index, r)])
+      sid = arith.minsi(arith.maxsi(sid, c32(0)), c32(num_rows - 1))
+      src_off = arith.addi(
+          arith.muli(arith.extui(i64, sid), mgpu_utils.c(HEAD_DIM * 2, i64)),
+          arith.extui(i64, arith.muli(lane, c32(PIECE))),
+      )
+      src = mgpu_utils.getelementptr(cache_ptr, [src_off], i8)
+      for span in range(SPANS):
+        if span < LATENT * 2 // (PIECE * LANES_PER_ROW):
+          half, sub = divmod(span, 4)
+          off = (
+              half * (tile // 8) * lat_tiles_per_row * TILE_BYTES
+              + p * band_stride
+              + sub * 2 * TILE_BYTES
+          )
+          dst = mgpu_utils.getelementptr(lat_ptr, [lat_base], i8)
+        else:
+          off = p * 2 * rope_tiles_per_row * TILE_BYTES
+          dst = mgpu_utils.getelementptr(rope_ptr, [rope_base], i8)
+        dst = mgpu_utils.getelementptr(dst, [off], i8)
+        piece = mgpu_utils.getelementptr(src, [span * PIECE * LANES_PER_ROW], i8)
+        nvvm.cp_async_shared_global(
+            dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG
+        )
+    nvvm.cp_async_commit_group()
+
+  _issue(ids, cache, k_lat, k_rope)
+
+
+def wait_gathers() -> None:
+  """Waits until every cp.async group this thread started has landed."""
+
+  @plgpu.inline_mgpu()
+  def _wait(_ctx):
+    nvvm.cp_async_wait_group(0)
+
+  _wait()
+
