@@ -37,8 +37,9 @@ ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
 SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 
 
-def issue_gather(ids, cache, k_lat, k_rope, *, tile: int, transforms) -> None:
-  """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r (one cp.async group).
+def issue_gather(ids, cache, k_lat, k_rope, idx_src, idx_dst, *, tile: int, transforms) -> None:
+  """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r, and `idx_src`
+  into `idx_dst` (one cp.async group).
 
   Called by all 128 threads of one warpgroup, compiled only.
 
@@ -48,6 +49,8 @@ def issue_gather(ids, cache, k_lat, k_rope, *, tile: int, transforms) -> None:
     k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
       `transforms`.
     k_rope: `[tile, 64]` bf16 SMEM ref under `transforms`.
+    idx_src: `[tile]` int32 GMEM ref (the tile's indices, 16-byte aligned).
+    idx_dst: `[tile]` int32 SMEM ref, where they land beside the rows.
     tile: rows per call, a multiple of 16.
     transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
   """
@@ -61,9 +64,11 @@ def issue_gather(ids, cache, k_lat, k_rope, *, tile: int, transforms) -> None:
           plgpu.RefType(),
           plgpu.RefType(transforms=transforms),
           plgpu.RefType(transforms=transforms),
+          plgpu.RefType(),
+          plgpu.RefType(),
       )
   )
-  def _issue(_ctx, ids_ref, cache_ref, lat_ref, rope_ref):
+  def _issue(_ctx, ids_ref, cache_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref):
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i8 = ir.IntegerType.get_signless(8)
@@ -119,9 +124,22 @@ def issue_gather(ids, cache, k_lat, k_rope, *, tile: int, transforms) -> None:
         nvvm.cp_async_shared_global(
             dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG
         )
+    # The indices: one 16-byte piece (4 of them) per thread of the first few.
+    idx_pieces = tile * 4 // PIECE
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, t, c32(idx_pieces))):
+      off = arith.muli(t, c32(PIECE))
+      src = llvm.addrspacecast(
+          llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(idx_src_ref)
+      )
+      nvvm.cp_async_shared_global(
+          mgpu_utils.getelementptr(mgpu_utils.memref_ptr(idx_dst_ref), [off], i8),
+          mgpu_utils.getelementptr(src, [off], i8),
+          PIECE,
+          nvvm.LoadCacheModifierKind.CG,
+      )
     nvvm.cp_async_commit_group()
 
-  _issue(ids, cache, k_lat, k_rope)
+  _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst)
 
 
 def wait_gathers() -> None:

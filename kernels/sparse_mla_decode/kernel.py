@@ -66,6 +66,9 @@ IDX_STAGES = 4  # tiles of slot ids in flight ahead of their gathers
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 _LOG2E = math.log2(math.e)
+# The running maximum's start: finite and below any score (|q.k| * scale is
+# far smaller), so that masked scores (-inf) give exp2(-inf - M_FLOOR) = 0.
+M_FLOOR = -1e30
 
 
 def build_kernel(
@@ -108,13 +111,14 @@ def build_kernel(
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     tok0 = split * (num_tiles * TILE)
 
-    def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids,
+    def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
                q_bar, idx_bar, ready_bar, free_bar, sync_bar, *interp_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
       # and k_rope [stages, 64, 64] bf16: the KV ring; p_smem [64, 64] bf16: P
       # of the tile (each consumer writes the 32 columns of its slots); xchg
       # [2, 64] f32: each consumer's row maxima (at the end its row sums);
-      # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids.
+      # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
+      # stage_idx [stages, 64] int32: each stage's indices (-1: masked).
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
@@ -152,12 +156,16 @@ def build_kernel(
         def gather(tile, stage):
           ring = lax.rem(tile, IDX_STAGES)
           plgpu.barrier_wait(idx_bar.at[ring])
+          # The tile's indices travel with its rows: the consumers mask by them.
+          tile_idx = idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)]
           if compiled:
             issue_gather(
                 ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
-                tile=TILE, transforms=bf16,
+                tile_idx, stage_idx.at[stage], tile=TILE, transforms=bf16,
             )
           else:
+            plgpu.copy_gmem_to_smem(tile_idx, stage_idx.at[stage], ready_bar.at[stage])
+
             @pl.loop(0, TILE)
             def _(r):
               src = cache_ref.at[pl.ds(jnp.maximum(ids[ring, r], 0), 1)]
@@ -213,13 +221,6 @@ def build_kernel(
         def other_rows():
           return plgpu.load(xchg.at[1 - wg], layout=row_layout, optimized=False)
 
-        def load_idx(tile):
-          start = tok0 + tile * TILE + wg * SLOT_HALF
-          return plgpu.load(
-              idx_ref.at[b, pl.ds(start, SLOT_HALF)], layout=col_layout,
-              optimized=False,
-          )
-
         plgpu.barrier_wait(q_bar)
         # The RoPE part of the query lives in registers (16 per thread).
         # (The interpreter cannot take a register operand for a wgmma into an
@@ -227,11 +228,12 @@ def build_kernel(
         q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
 
         def step(i, carry):
-          acc, m_i, l_i, idx = carry
+          acc, m_i, l_i = carry
           stage = lax.rem(i, NUM_STAGES)
-          # The next tile's indices: the load's latency hides behind this step.
-          idx_next = load_idx(jnp.minimum(i + 1, num_tiles - 1))
           plgpu.barrier_wait(ready_bar.at[stage])
+          # Our slots' indices, from SMEM at the point of use (a loop-carried
+          # GMEM prefetch cost ~16% in registers ptxas had to spill).
+          idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
           def qk(s_ref):
             for h in range(2):
@@ -247,11 +249,10 @@ def build_kernel(
           xchg[wg] = m_own
           sync_consumers()  # also: both QKs of this tile are done
           m_new = jnp.maximum(m_i, jnp.maximum(m_own, other_rows()))
-          # A row with no valid index so far keeps m = -inf; subtract 0 then,
-          # so that p = exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
-          m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          alpha = jnp.exp2(m_i - m_sub)
-          p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+          # m starts at a finite floor below any score, so a row with no
+          # valid index so far gets p = exp2(-inf - floor) = 0, never NaN.
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
           # l_i sums our slots only; the halves are added at the end (both
           # warpgroups rescale by the same alpha).
           l_i = l_i * alpha + p.sum(axis=1)
@@ -275,12 +276,11 @@ def build_kernel(
                 pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)
             )
           plgpu.barrier_arrive(free_bar.at[stage])
-          return acc, m_new, l_i, idx_next
+          return acc, m_new, l_i
 
-        acc, m_i, l_i = softmax_start(HALF)
-        acc, m_i, l_own, _ = lax.fori_loop(
-            0, num_tiles, step, (acc, m_i, l_i, load_idx(0))
-        )
+        acc, _, l_i = softmax_start(HALF)
+        m_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_FLOOR, jnp.float32), row_layout)
+        acc, m_i, l_own = lax.fori_loop(0, num_tiles, step, (acc, m_i, l_i))
         # The other half's sum, through the exchange rows (free: the other
         # warpgroup read our last maximum before the last P rendezvous).
         xchg[wg] = l_own
@@ -295,8 +295,9 @@ def build_kernel(
         pl.when(wg == w)(lambda w=w: consumer(w))
 
     # Compiled, a stage is ready when the producer arrives after its
-    # gathers landed; interpreted, when the tile's 3 copies per row did.
-    ready_arrivals = 1 if compiled else 3 * TILE
+    # gathers landed; interpreted, when the tile's 3 copies per row and its
+    # indices' copy did.
+    ready_arrivals = 1 if compiled else 3 * TILE + 1
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
@@ -305,6 +306,7 @@ def build_kernel(
         plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
         plgpu.SMEM((2, HEAD_TILE), jnp.float32),
         plgpu.SMEM((IDX_STAGES, TILE), jnp.int32),
+        plgpu.SMEM((NUM_STAGES, TILE), jnp.int32),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
         plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=NUM_STAGES),
