@@ -60,6 +60,8 @@ def test_matches_reference(heads, mode, splits, dup):
   q, cache, idx = _inputs(
       heads, 2, heads, 64 * splits, dup=dup, dead_rows=(1,) if heads == 16 else ()
   )
+  if heads == 16:  # float32 queries: one split writes the result in their dtype
+    q = q.astype(jnp.float32)
   out, lse = _run(q, cache, idx, mode, splits)
   assert out.shape == (2, heads, 512) and out.dtype == q.dtype
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -79,6 +80,7 @@ def build_kernel(
     num_splits: int,
     sm_scale: float,
     interpret,
+    out_dtype=jnp.float32,
 ):
   """Builds the kernel call (the same for both mask modes: they differ only in
   the slots gathered).
@@ -87,8 +89,11 @@ def build_kernel(
   `[batch, heads_padded, 576]` bf16, cache_rows `[num_slots, 576]` bf16 (the
   cache with blocks and slots merged), indices `[batch, topk]` int32 (-1:
   masked), slots `[batch, topk]` int32 (the rows to gather, `gather_slots(indices,
-  select)`), o `[batch, num_splits, heads_padded, 512]` f32 and lse `[batch,
-  num_splits, heads_padded]` f32.
+  select)`). With several splits, o `[batch, num_splits, heads_padded, 512]`
+  f32 and lse `[batch, num_splits, heads_padded]` f32 are each split's partial
+  result, for `combine_splits`. With one split they are the result itself, with
+  no split axis: o `[batch, heads_padded, 512]` in `out_dtype` (0 where a row
+  has no valid index) and lse `[batch, heads_padded]` f32.
   """
   assert topk % (TILE * num_splits) == 0
   num_tiles = topk // (TILE * num_splits)  # per split, static
@@ -96,14 +101,15 @@ def build_kernel(
   dtype = jnp.bfloat16
   compiled = interpret is None
   bf16 = bf16_tile()
+  direct = num_splits == 1  # no merge: the kernel writes the result
 
   def sparse_mla_decode_kernel(
       q_ref,  # [batch, heads_padded, 576] bf16, GMEM
       cache_ref,  # [num_slots, 576] bf16, GMEM
       idx_ref,  # [batch, topk] int32, GMEM
       slots_ref,  # [batch, topk] int32, GMEM
-      o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM
-      lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM
+      o_ref,  # [batch, (num_splits,) heads_padded, 512], GMEM
+      lse_ref,  # [batch, (num_splits,) heads_padded] f32, GMEM
   ):
     g = lax.axis_index("g")
     split = lax.axis_index("s")
@@ -287,9 +293,18 @@ def build_kernel(
         sync_consumers()
         l_i = l_own + other_rows()
         o, lse = softmax_finish(acc, m_i, l_i)
-        o_ref[b, split, heads, pl.ds(wg * HALF, HALF)] = o
-        if wg == 0:
-          lse_ref[b, split, heads] = lse
+        cols = pl.ds(wg * HALF, HALF)
+        if direct:
+          # The row's result, as `combine_splits` of one split gives it: 0
+          # where no index is valid (also where "multiply" met NaN there).
+          has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
+          o_ref[b, heads, cols] = jnp.where(has, o, 0.0).astype(out_dtype)
+          if wg == 0:
+            lse_ref[b, heads] = lse
+        else:
+          o_ref[b, split, heads, cols] = o
+          if wg == 0:
+            lse_ref[b, split, heads] = lse
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -324,7 +339,11 @@ def build_kernel(
       sparse_mla_decode_kernel,
       grid=(batch, num_splits, heads_padded // HEAD_TILE),
       grid_names=("b", "s", "g"),
-      out_type=split_outputs(batch, num_splits, heads_padded),
+      out_type=(
+          (jax.ShapeDtypeStruct((batch, heads_padded, LATENT), out_dtype),
+           jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32))
+          if direct else split_outputs(batch, num_splits, heads_padded)
+      ),
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
   )

@@ -142,8 +142,12 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       num_splits=num_splits,
       sm_scale=sm_scale,
       interpret=interpret,
+      out_dtype=q.dtype,
   )
   slots = _kernel.gather_slots(indices, select)
-  o, lse = call(qp, rows, indices, slots)  # [b, s, hp, 512] f32, [b, s, hp] f32
+  o, lse = call(qp, rows, indices, slots)
+  if num_splits == 1:  # the kernel wrote the result: [b, hp, 512], [b, hp]
+    return o[:, :heads], lse[:, :heads]
+  # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32.
   out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads])
   return out.astype(q.dtype), lse
