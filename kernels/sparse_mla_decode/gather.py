@@ -21,6 +21,8 @@ the 512-byte tile `(row // 8, col // 32)` (row-major over tiles), at byte
 
 from __future__ import annotations
 
+import math
+
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
@@ -37,14 +39,18 @@ ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
 SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 
 
-def issue_gather(ids, cache, k_lat, k_rope, idx_src, idx_dst, *, tile: int, transforms) -> None:
+def issue_gather(
+    ids, cache, k_lat, k_rope, idx_src, idx_dst, *, tile: int, transforms, skip_invalid: bool
+) -> None:
   """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r, and `idx_src`
   into `idx_dst` (one cp.async group).
 
   Called by all 128 threads of one warpgroup, compiled only.
 
   Args:
-    ids: `[tile]` int32 SMEM ref: the cache rows (clamped into the cache).
+    ids: `[tile]` int32 SMEM ref: the cache rows (clamped into the cache; with
+      `skip_invalid`, a negative id copies nothing and row r keeps what it
+      held).
     cache: `[num_rows, 576]` bf16 GMEM ref.
     k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
       `transforms`.
@@ -53,6 +59,7 @@ def issue_gather(ids, cache, k_lat, k_rope, idx_src, idx_dst, *, tile: int, tran
     idx_dst: `[tile]` int32 SMEM ref, where they land beside the rows.
     tile: rows per call, a multiple of 16.
     transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
+    skip_invalid: see `ids`.
   """
   assert tile % ROWS_PER_PASS == 0
   lat_tiles_per_row = HALF // COLS  # tiles across one 8-row band of a half
@@ -86,44 +93,48 @@ def issue_gather(ids, cache, k_lat, k_rope, idx_src, idx_dst, *, tile: int, tran
     band = arith.divui(row0, c32(8))
     col_tile = arith.divui(lane, c32(4))  # which of a span's two 32-column tiles
 
-    def dst_base(tiles_per_band):
+    def dst_ptr(ref, tiles_per_band):
       tile_idx = arith.addi(arith.muli(band, c32(tiles_per_band)), col_tile)
-      return arith.addi(arith.muli(tile_idx, c32(TILE_BYTES)), in_tile)
+      off = arith.addi(arith.muli(tile_idx, c32(TILE_BYTES)), in_tile)
+      return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [off], i8)
 
-    lat_base = dst_base(lat_tiles_per_row)
-    rope_base = dst_base(rope_tiles_per_row)
-    lat_ptr = mgpu_utils.memref_ptr(lat_ref)
-    rope_ptr = mgpu_utils.memref_ptr(rope_ref)
+    lat_ptr = dst_ptr(lat_ref, lat_tiles_per_row)
+    rope_ptr = dst_ptr(rope_ref, rope_tiles_per_row)
     cache_ptr = llvm.addrspacecast(
         llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(cache_ref)
     )
-    band_stride = 2 * lat_tiles_per_row * TILE_BYTES  # two bands per pass
-    for p in range(tile // ROWS_PER_PASS):
-      r = arith.addi(row0, c32(p * ROWS_PER_PASS))
-      sid = memref.load(ids_ref, [arith.index_cast(index, r)])
-      sid = arith.minsi(arith.maxsi(sid, c32(0)), c32(num_rows - 1))
-      src_off = arith.addi(
-          arith.muli(arith.extui(i64, sid), mgpu_utils.c(HEAD_DIM * 2, i64)),
-          arith.extui(i64, arith.muli(lane, c32(PIECE))),
-      )
-      src = mgpu_utils.getelementptr(cache_ptr, [src_off], i8)
+
+    def copy_row(src, p):
+      # Row r = row0 + 16p: two 8-row bands further per pass.
       for span in range(SPANS):
         if span < LATENT * 2 // (PIECE * LANES_PER_ROW):
           half, sub = divmod(span, 4)
           off = (
               half * (tile // 8) * lat_tiles_per_row * TILE_BYTES
-              + p * band_stride
+              + p * 2 * lat_tiles_per_row * TILE_BYTES
               + sub * 2 * TILE_BYTES
           )
-          dst = mgpu_utils.getelementptr(lat_ptr, [lat_base], i8)
+          dst = mgpu_utils.getelementptr(lat_ptr, [off], i8)
         else:
           off = p * 2 * rope_tiles_per_row * TILE_BYTES
-          dst = mgpu_utils.getelementptr(rope_ptr, [rope_base], i8)
-        dst = mgpu_utils.getelementptr(dst, [off], i8)
+          dst = mgpu_utils.getelementptr(rope_ptr, [off], i8)
         piece = mgpu_utils.getelementptr(src, [span * PIECE * LANES_PER_ROW], i8)
-        nvvm.cp_async_shared_global(
-            dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG
-        )
+        nvvm.cp_async_shared_global(dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG)
+
+    for p in range(tile // ROWS_PER_PASS):
+      r = arith.addi(row0, c32(p * ROWS_PER_PASS))
+      raw = memref.load(ids_ref, [arith.index_cast(index, r)])
+      sid = arith.minsi(arith.maxsi(raw, c32(0)), c32(num_rows - 1))
+      src_off = arith.addi(
+          arith.muli(arith.extui(i64, sid), mgpu_utils.c(HEAD_DIM * 2, i64)),
+          arith.extui(i64, arith.muli(lane, c32(PIECE))),
+      )
+      src = mgpu_utils.getelementptr(cache_ptr, [src_off], i8)
+      if skip_invalid:
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, raw, c32(0))):
+          copy_row(src, p)
+      else:
+        copy_row(src, p)
     # The indices: one 16-byte piece (4 of them) per thread of the first few.
     idx_pieces = tile * 4 // PIECE
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, t, c32(idx_pieces))):
@@ -140,6 +151,36 @@ def issue_gather(ids, cache, k_lat, k_rope, idx_src, idx_dst, *, tile: int, tran
     nvvm.cp_async_commit_group()
 
   _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst)
+
+
+def zero_fill(*refs, transforms) -> None:
+  """Stores zeros over every byte of `refs` (SMEM refs under `transforms`, each a
+  multiple of 2 KiB).
+
+  Called by all 128 threads of one warpgroup, compiled only (16 bytes per
+  thread per store, consecutive threads on consecutive pieces). Not ordered
+  with anything: the caller fences and synchronises.
+  """
+
+  @plgpu.inline_mgpu(arg_types=tuple(plgpu.RefType(transforms=transforms) for _ in refs))
+  def _fill(_ctx, *mrefs):
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    c32 = lambda v: mgpu_utils.c(v, i32)
+    vec = ir.VectorType.get((4,), i32)
+    zero = arith.constant(vec, ir.DenseElementsAttr.get_splat(vec, ir.IntegerAttr.get(i32, 0)))
+    t = arith.remui(mgpu_utils.thread_idx(), c32(128))
+    for mref in mrefs:
+      ty = ir.MemRefType(mref.type)
+      nbytes = math.prod(ty.shape) * mgpu_utils.bitwidth(ty.element_type) // 8
+      assert nbytes % (128 * PIECE) == 0, nbytes
+      base = mgpu_utils.getelementptr(
+          mgpu_utils.memref_ptr(mref), [arith.muli(t, c32(PIECE))], i8
+      )
+      for k in range(nbytes // (128 * PIECE)):
+        llvm.store(zero, mgpu_utils.getelementptr(base, [k * 128 * PIECE], i8))
+
+  _fill(*refs)
 
 
 def wait_gathers() -> None:

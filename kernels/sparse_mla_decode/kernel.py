@@ -17,19 +17,21 @@ rescale by one running maximum, each writes its 32 columns of P (bf16) into a
 shared [64, 64] tile; values by channels (warpgroup w accumulates
 O[:, 256w:256w+256] += P V over all 64 slots).
 
-Masking. Any slot of any tile can be a -1, so every tile is masked: the
-consumers read the indices (an index < 0 gets score -inf in both modes); the
-producer gathers the slots the wrapper derived from them (`gather_slots`):
-"multiply" clamps a -1 to slot 0, so that row's value meets p = 0 in the
-accumulator (0 * NaN = NaN, as in production kernels); "select" replaces a -1
-by a valid slot of the same row (read again, finite, weighted exactly 0), so
-no slot outside the row's selection is ever read. (A row without a valid
-index reads slot 0; its splits have LSE = -inf and the merge never uses their
-O.)
+Masking. Any slot of any tile can be a -1, so every tile is masked: each
+stage's 64 indices land in SMEM with its rows, and the consumers give an
+index < 0 the score -inf in both modes. What the producer copies for a -1
+differs: "select" copies nothing (the stage was zeroed at the start, so the
+row holds finite bytes: zeros or an earlier row of this CTA's own selection,
+weighted exactly 0), so no slot outside the row's selection is ever read;
+"multiply" reads slot 0 (the null block) for the first -1 of each tile and
+the row's first valid slot for the others (`gather_slots`), so a non-finite
+null block meets p = 0 in the accumulator (0 * NaN = NaN) exactly as in
+production kernels, which read it for every -1.
 
-A split's partial result is stored from registers to GMEM, normalised, in
-float32, with its natural-log LSE; a split without a valid index writes LSE =
--inf and O = 0 (NaN if "multiply" accumulated a NaN value row).
+The result (one split) or each split's partial result is stored from
+registers to GMEM, normalised, with its natural-log LSE; a split without a
+valid index writes LSE = -inf and O = 0 (a partial: NaN if "multiply"
+accumulated a NaN value row, which the merge never uses).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     softmax_start,
     split_outputs,
 )
-from jaxkv.kernels.sparse_mla_decode.gather import issue_gather, wait_gathers
+from jaxkv.kernels.sparse_mla_decode.gather import issue_gather, wait_gathers, zero_fill
 
 HEAD_DIM = LATENT + ROPE
 TILE = 2 * SLOT_HALF  # slots per pipeline step: each consumer scores half
@@ -79,21 +81,22 @@ def build_kernel(
     topk: int,
     num_splits: int,
     sm_scale: float,
+    select: bool,
     interpret,
     out_dtype=jnp.float32,
 ):
-  """Builds the kernel call (the same for both mask modes: they differ only in
-  the slots gathered).
+  """Builds the kernel call.
 
   Returns a function `(q, cache_rows, indices, slots) -> (o, lse)` with q
   `[batch, heads_padded, 576]` bf16, cache_rows `[num_slots, 576]` bf16 (the
   cache with blocks and slots merged), indices `[batch, topk]` int32 (-1:
   masked), slots `[batch, topk]` int32 (the rows to gather, `gather_slots(indices,
-  select)`). With several splits, o `[batch, num_splits, heads_padded, 512]`
-  f32 and lse `[batch, num_splits, heads_padded]` f32 are each split's partial
-  result, for `combine_splits`. With one split they are the result itself, with
-  no split axis: o `[batch, heads_padded, 512]` in `out_dtype` (0 where a row
-  has no valid index) and lse `[batch, heads_padded]` f32.
+  select)`; with `select` a negative slot copies nothing). With several
+  splits, o `[batch, num_splits, heads_padded, 512]` f32 and lse `[batch,
+  num_splits, heads_padded]` f32 are each split's partial result, for
+  `combine_splits`. With one split they are the result itself, with no split
+  axis: o `[batch, heads_padded, 512]` in `out_dtype` (0 where a row has no
+  valid index) and lse `[batch, heads_padded]` f32.
   """
   assert topk % (TILE * num_splits) == 0
   num_tiles = topk // (TILE * num_splits)  # per split, static
@@ -158,6 +161,15 @@ def build_kernel(
 
         for t in range(min(IDX_STAGES, num_tiles)):
           fetch_ids(t)
+        if select:
+          # A -1 copies nothing, so its row keeps what the stage held: finite
+          # bytes (zeros, or a row of this CTA's own selection), weighted 0.
+          if compiled:
+            zero_fill(k_lat, k_rope, transforms=bf16)
+          else:
+            k_lat[...] = jnp.zeros(k_lat.shape, dtype)
+            k_rope[...] = jnp.zeros(k_rope.shape, dtype)
+          plgpu.commit_smem()
 
         def gather(tile, stage):
           ring = lax.rem(tile, IDX_STAGES)
@@ -168,24 +180,38 @@ def build_kernel(
             issue_gather(
                 ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
                 tile_idx, stage_idx.at[stage], tile=TILE, transforms=bf16,
+                skip_invalid=select,
             )
           else:
             plgpu.copy_gmem_to_smem(tile_idx, stage_idx.at[stage], ready_bar.at[stage])
 
             @pl.loop(0, TILE)
             def _(r):
-              src = cache_ref.at[pl.ds(jnp.maximum(ids[ring, r], 0), 1)]
-              for h in range(2):
+              sid = ids[ring, r]
+
+              def copy_row():
+                src = cache_ref.at[pl.ds(jnp.maximum(sid, 0), 1)]
+                for h in range(2):
+                  plgpu.copy_gmem_to_smem(
+                      src.at[:, pl.ds(h * HALF, HALF)],
+                      k_lat.at[stage, h, pl.ds(r, 1)],
+                      ready_bar.at[stage],
+                  )
                 plgpu.copy_gmem_to_smem(
-                    src.at[:, pl.ds(h * HALF, HALF)],
-                    k_lat.at[stage, h, pl.ds(r, 1)],
+                    src.at[:, pl.ds(LATENT, ROPE)],
+                    k_rope.at[stage, pl.ds(r, 1)],
                     ready_bar.at[stage],
                 )
-              plgpu.copy_gmem_to_smem(
-                  src.at[:, pl.ds(LATENT, ROPE)],
-                  k_rope.at[stage, pl.ds(r, 1)],
-                  ready_bar.at[stage],
-              )
+
+              if select:
+                pl.when(sid >= 0)(copy_row)
+
+                @pl.when(sid < 0)
+                def _():
+                  for _ in range(3):  # the copies' arrivals
+                    plgpu.barrier_arrive(ready_bar.at[stage])
+              else:
+                copy_row()
 
         # Step i releases tile i - 1 (compiled: once its gathers landed) and
         # starts tile i, so the release never waits behind a free stage.
@@ -352,23 +378,23 @@ def build_kernel(
 def gather_slots(indices, select: bool):
   """The cache rows the producer gathers for `indices` `[batch, topk]` int32.
 
-  Valid indices read themselves. A -1 reads a valid slot of the same row (its
-  first), which the -1's score of -inf weights by exactly 0, so that "select"
-  never reads anything outside the row's selection. "multiply" reads slot 0
-  (the null block) for the first -1 of each `TILE` indices instead, as
-  production kernels read it for every -1: a non-finite value there turns the
-  row's output into NaN just the same (0 * NaN is NaN, once or many times),
-  without every CTA of the step reading one hot row. A row with no valid index
-  reads slot 0 throughout, in both modes (its result is discarded).
+  Valid indices read themselves. "select" copies nothing for a -1 (the kernel
+  skips negative slots; the row keeps finite bytes, weighted exactly 0), so
+  nothing outside the row's selection is ever read. "multiply" reads slot 0
+  (the null block) for the first -1 of each `TILE` indices, as production
+  kernels read it for every -1: a non-finite value there turns the row's
+  output into NaN just the same (0 * NaN is NaN, once or many times); its
+  other -1s read the row's first valid slot, so that every CTA of the step
+  does not read one hot row. A row with no valid index reads slot 0
+  throughout (its result is discarded).
   """
+  if select:
+    return indices
   valid = indices >= 0
   first = jnp.argmax(valid, axis=1)[:, None]
   fill = jnp.maximum(jnp.take_along_axis(indices, first, axis=1), 0)
-  slots = jnp.where(valid, indices, fill)
-  if select:
-    return slots
   batch, topk = indices.shape
   tiles = (~valid).reshape(batch, topk // TILE, TILE)
   first_pad = jnp.argmax(tiles, axis=2)[..., None] == jnp.arange(TILE)[None, None]
   null = (tiles & first_pad).reshape(batch, topk)
-  return jnp.where(null, 0, slots)
+  return jnp.where(valid, indices, jnp.where(null, 0, fill))

@@ -141,6 +141,7 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       topk=indices.shape[1],
       num_splits=num_splits,
       sm_scale=sm_scale,
+      select=select,
       interpret=interpret,
       out_dtype=q.dtype,
   )
