@@ -179,22 +179,3 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   q, cache, idx = _inputs(0, 1, 16, 64)
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET)
-
-
-def test_gather_slots_stay_inside_the_selection():
-  """"select" passes the indices through (the kernel copies nothing for a -1);
-  "multiply" reads slot 0 for the first -1 of each kernel tile and the row's first
-  valid slot for the rest; a row without a valid index reads slot 0."""
-  from jaxkv.kernels.sparse_mla_decode.kernel import TILE, gather_slots
-
-  idx = np.arange(10, 10 + 3 * 2 * TILE, dtype=np.int32).reshape(3, 2 * TILE)
-  idx[0, [0, 2, TILE + 6, TILE + 30]] = -1  # first valid slot of row 0: idx[0, 1]
-  idx[1] = -1
-  idx[2, TILE] = -1  # tile 0 of row 2 has none
-  np.testing.assert_array_equal(np.asarray(gather_slots(jnp.asarray(idx), True)), idx)
-  mul = np.asarray(gather_slots(jnp.asarray(idx), False))
-  valid = idx >= 0
-  np.testing.assert_array_equal(mul[valid], idx[valid])
-  assert (mul[1] == 0).all()
-  np.testing.assert_array_equal(mul[0, [0, 2, TILE + 6, TILE + 30]], [0, 11, 0, 11])
-  assert mul[2, TILE] == 0

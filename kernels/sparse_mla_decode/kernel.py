@@ -24,9 +24,10 @@ differs: "select" copies nothing (the stage was zeroed at the start, so the
 row holds finite bytes: zeros or an earlier row of this CTA's own selection,
 weighted exactly 0), so no slot outside the row's selection is ever read;
 "multiply" reads slot 0 (the null block) for the first -1 of each tile and
-the row's first valid slot for the others (`gather_slots`), so a non-finite
-null block meets p = 0 in the accumulator (0 * NaN = NaN) exactly as in
-production kernels, which read it for every -1.
+nothing for the others, so a non-finite null block meets p = 0 in the
+accumulator (0 * NaN = NaN) and poisons the row exactly as in production
+kernels, which read it for every -1 (once or many times, 0 * NaN is NaN and
+0 * finite adds +0), without every CTA of the step reading one hot row.
 
 The result (one split) or each split's partial result is stored from
 registers to GMEM, normalised, with its natural-log LSE; a split without a
@@ -87,11 +88,10 @@ def build_kernel(
 ):
   """Builds the kernel call.
 
-  Returns a function `(q, cache_rows, indices, slots) -> (o, lse)` with q
+  Returns a function `(q, cache_rows, indices) -> (o, lse)` with q
   `[batch, heads_padded, 576]` bf16, cache_rows `[num_slots, 576]` bf16 (the
   cache with blocks and slots merged), indices `[batch, topk]` int32 (-1:
-  masked), slots `[batch, topk]` int32 (the rows to gather, `gather_slots(indices,
-  select)`; with `select` a negative slot copies nothing). With several
+  masked; "multiply" reads slot 0 for the first -1 of each tile). With several
   splits, o `[batch, num_splits, heads_padded, 512]` f32 and lse `[batch,
   num_splits, heads_padded]` f32 are each split's partial result, for
   `combine_splits`. With one split they are the result itself, with no split
@@ -110,7 +110,6 @@ def build_kernel(
       q_ref,  # [batch, heads_padded, 576] bf16, GMEM
       cache_ref,  # [num_slots, 576] bf16, GMEM
       idx_ref,  # [batch, topk] int32, GMEM
-      slots_ref,  # [batch, topk] int32, GMEM
       o_ref,  # [batch, (num_splits,) heads_padded, 512], GMEM
       lse_ref,  # [batch, (num_splits,) heads_padded] f32, GMEM
   ):
@@ -121,17 +120,20 @@ def build_kernel(
     tok0 = split * (num_tiles * TILE)
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
-               q_bar, idx_bar, ready_bar, free_bar, sync_bar, *interp_refs):
+               q_bar, idx_bar, ready_bar, free_bar, sync_bar, *extra_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
       # and k_rope [stages, 64, 64] bf16: the KV ring; p_smem [64, 64] bf16: P
       # of the tile (each consumer writes the 32 columns of its slots); xchg
       # [2, 64] f32: each consumer's row maxima (at the end its row sums);
       # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
-      # stage_idx [stages, 64] int32: each stage's indices (-1: masked).
+      # stage_idx [stages, 64] int32: each stage's indices (-1: masked);
+      # extra_refs: "multiply" compiled, scratch [4] int32 (the producer's
+      # warps' first -1 of a tile); interpreted, the RoPE query's buffer.
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
-      q_rope_smem = interp_refs[0] if interp_refs else p_smem
+      q_rope_smem = p_smem if compiled else extra_refs[0]
+      scratch = extra_refs[0] if compiled and not select else None
       wg = lax.axis_index("wg")
 
       def sync_consumers():
@@ -154,22 +156,22 @@ def build_kernel(
         def fetch_ids(tile):
           ring = lax.rem(tile, IDX_STAGES)
           plgpu.copy_gmem_to_smem(
-              slots_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)],
+              idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)],
               ids.at[ring],
               idx_bar.at[ring],
           )
 
         for t in range(min(IDX_STAGES, num_tiles)):
           fetch_ids(t)
-        if select:
-          # A -1 copies nothing, so its row keeps what the stage held: finite
-          # bytes (zeros, or a row of this CTA's own selection), weighted 0.
-          if compiled:
-            zero_fill(k_lat, k_rope, transforms=bf16)
-          else:
-            k_lat[...] = jnp.zeros(k_lat.shape, dtype)
-            k_rope[...] = jnp.zeros(k_rope.shape, dtype)
-          plgpu.commit_smem()
+        # A -1 copies nothing (but in "multiply" the first of a tile), so its
+        # row keeps what the stage held: finite bytes (zeros, or a row this CTA
+        # gathered before), weighted exactly 0.
+        if compiled:
+          zero_fill(k_lat, k_rope, transforms=bf16)
+        else:
+          k_lat[...] = jnp.zeros(k_lat.shape, dtype)
+          k_rope[...] = jnp.zeros(k_rope.shape, dtype)
+        plgpu.commit_smem()
 
         def gather(tile, stage):
           ring = lax.rem(tile, IDX_STAGES)
@@ -179,17 +181,25 @@ def build_kernel(
           if compiled:
             issue_gather(
                 ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
-                tile_idx, stage_idx.at[stage], tile=TILE, transforms=bf16,
-                skip_invalid=select,
+                tile_idx, stage_idx.at[stage], scratch, tile=TILE, transforms=bf16,
+                null_once=not select,
             )
           else:
             plgpu.copy_gmem_to_smem(tile_idx, stage_idx.at[stage], ready_bar.at[stage])
 
+            if select:
+              first = TILE
+            else:  # the tile's first -1 reads the null block
+              col = lax.broadcasted_iota(jnp.int32, (TILE,), 0)
+              first = jnp.min(jnp.where(ids[ring] < 0, col, TILE))
+
             @pl.loop(0, TILE)
             def _(r):
               sid = ids[ring, r]
+              copy = (sid >= 0) | (r == first)
 
-              def copy_row():
+              @pl.when(copy)
+              def _():
                 src = cache_ref.at[pl.ds(jnp.maximum(sid, 0), 1)]
                 for h in range(2):
                   plgpu.copy_gmem_to_smem(
@@ -203,15 +213,10 @@ def build_kernel(
                     ready_bar.at[stage],
                 )
 
-              if select:
-                pl.when(sid >= 0)(copy_row)
-
-                @pl.when(sid < 0)
-                def _():
-                  for _ in range(3):  # the copies' arrivals
-                    plgpu.barrier_arrive(ready_bar.at[stage])
-              else:
-                copy_row()
+              @pl.when(~copy)
+              def _():
+                for _ in range(3):  # the copies' arrivals
+                  plgpu.barrier_arrive(ready_bar.at[stage])
 
         # Step i releases tile i - 1 (compiled: once its gathers landed) and
         # starts tile i, so the release never waits behind a free stage.
@@ -353,9 +358,9 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
-        *([] if compiled else [
+        *([] if select else [plgpu.SMEM((4,), jnp.int32)]) if compiled else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
-        ]),
+        ],
         collective_axes="wg",
     )
 
@@ -373,28 +378,3 @@ def build_kernel(
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
   )
-
-
-def gather_slots(indices, select: bool):
-  """The cache rows the producer gathers for `indices` `[batch, topk]` int32.
-
-  Valid indices read themselves. "select" copies nothing for a -1 (the kernel
-  skips negative slots; the row keeps finite bytes, weighted exactly 0), so
-  nothing outside the row's selection is ever read. "multiply" reads slot 0
-  (the null block) for the first -1 of each `TILE` indices, as production
-  kernels read it for every -1: a non-finite value there turns the row's
-  output into NaN just the same (0 * NaN is NaN, once or many times); its
-  other -1s read the row's first valid slot, so that every CTA of the step
-  does not read one hot row. A row with no valid index reads slot 0
-  throughout (its result is discarded).
-  """
-  if select:
-    return indices
-  valid = indices >= 0
-  first = jnp.argmax(valid, axis=1)[:, None]
-  fill = jnp.maximum(jnp.take_along_axis(indices, first, axis=1), 0)
-  batch, topk = indices.shape
-  tiles = (~valid).reshape(batch, topk // TILE, TILE)
-  first_pad = jnp.argmax(tiles, axis=2)[..., None] == jnp.arange(TILE)[None, None]
-  null = (tiles & first_pad).reshape(batch, topk)
-  return jnp.where(valid, indices, jnp.where(null, 0, fill))

@@ -39,8 +39,8 @@ def sparse_mla_decode(
   Semantics are those of `sparse_mla_decode_reference`: `-1` entries get
   probability 0; "multiply" clamps them to slot 0 (the null block) and still
   accumulates its value row, "select" never lets them reach the accumulator
-  (the kernel reads a valid slot of the row in their place, weighted by
-  exactly 0, so no slot outside the selection is read); duplicates count as
+  (the kernel reads nothing for them: no slot outside the selection is
+  read); duplicates count as
   often as they appear; a row without a valid entry gives `out` 0 and `lse`
   -inf. Works under `jax.jit` with traced indices.
 
@@ -145,8 +145,7 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       interpret=interpret,
       out_dtype=q.dtype,
   )
-  slots = _kernel.gather_slots(indices, select)
-  o, lse = call(qp, rows, indices, slots)
+  o, lse = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, hp, 512], [b, hp]
     return o[:, :heads], lse[:, :heads]
   # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32.
