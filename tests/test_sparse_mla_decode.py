@@ -83,8 +83,10 @@ def test_long_index_list(mode):
 
 def test_nan_poisoning():
   """NaN in slot 0 and in every slot no row indexes."""
-  q, cache, idx = _inputs(7, 4, 16, 128, invalid=0.0, dead_rows=(3,))
-  idx = idx.at[1, 5].set(-1).at[2, ::3].set(-1)  # rows 1, 2 hold a -1; row 0 none
+  q, cache, idx = _inputs(7, 5, 16, 128, invalid=0.0, dead_rows=(3,))
+  # Rows 1, 2 and 4 hold a -1, row 0 none; row 4's second split (of two) is all -1.
+  idx = idx.at[1, 5].set(-1).at[2, ::3].set(-1).at[4, 64:].set(-1)
+  live = np.asarray([0, 1, 2, 4])
   used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
   used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
   used[0] = False
@@ -95,18 +97,24 @@ def test_nan_poisoning():
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
-  _check(out[:3], lse[:3], ref_out[:3], ref_lse[:3])
+  _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
-  out, lse = _run(q, poisoned, idx, "multiply", splits=2)
-  nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
-  np.testing.assert_array_equal(nan_rows, [False, True, True, False])
-  assert np.isfinite(np.asarray(out[0], np.float32)).all()
-  assert (np.asarray(out[3], np.float32) == 0).all()  # no valid index at all
+  # "multiply" gives NaN exactly where the reference (the production bug) does,
+  # with the rows' -1s in one split, both, or a split of -1s alone.
+  ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
+  want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
+  np.testing.assert_array_equal(want, [False, True, True, False, True])
+  for splits in (1, 2):
+    out, lse = _run(q, poisoned, idx, "multiply", splits=splits)
+    nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
+    np.testing.assert_array_equal(nan_rows, want)
+    assert np.isfinite(np.asarray(out[0], np.float32)).all()
+    assert (np.asarray(out[3], np.float32) == 0).all()  # no valid index at all
 
   zeroed = poisoned.at[0, 0].set(0)
   out, lse = _run(q, zeroed, idx, "multiply")
   ref_out, ref_lse = sparse_mla_decode_reference(q, zeroed, idx, sm_scale=SCALE, mask_mode="multiply")
-  _check(out[:3], lse[:3], ref_out[:3], ref_lse[:3])
+  _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
 
 def test_inside_jit_with_traced_indices():

@@ -12,6 +12,8 @@ from jaxkv._types import BATCH, HEADS
 def combine_splits(
     o: Float[Array, f"{BATCH} splits {HEADS} dv"],
     lse: Float[Array, f"{BATCH} splits {HEADS}"],
+    *,
+    empty_nan: bool = False,
 ) -> tuple[Float[Array, f"{BATCH} {HEADS} dv"], Float[Array, f"{BATCH} {HEADS}"]]:
   """Merges normalised partial outputs of disjoint slot ranges.
 
@@ -22,6 +24,10 @@ def combine_splits(
   Args:
     o: `[batch, splits, heads, dv]` float32 per-split normalised outputs.
     lse: `[batch, splits, heads]` float32 per-split natural-log LSE.
+    empty_nan: a NaN in an empty split's `o` (masked slots only, one of
+      which "multiply" accumulated with weight 0) also turns the row's
+      output into NaN, as a production merge that multiplies every split by
+      its weight gives it; a row whose splits are all empty still gets 0.
 
   Returns:
     `out` `[batch, heads, dv]` float32 and `lse` `[batch, heads]` float32
@@ -37,7 +43,12 @@ def combine_splits(
     total = jnp.sum(w, axis=1)
     has = total > 0.0
     w = w / jnp.where(has, total, 1.0)[:, None, :]
-    part = jnp.where(live[..., None], o, 0.0) * w[..., None]
+    keep = live[..., None]
+    if empty_nan:
+      keep = keep | jnp.isnan(o)
+    part = jnp.where(keep, o, 0.0) * w[..., None]
     out = jnp.sum(part, axis=1)
+    if empty_nan:
+      out = jnp.where(has[..., None], out, 0.0)
     lse_out = jnp.where(has, m_safe + jnp.log(jnp.where(has, total, 1.0)), -jnp.inf)
     return out, lse_out

@@ -148,6 +148,8 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
   o, lse = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, hp, 512], [b, hp]
     return o[:, :heads], lse[:, :heads]
-  # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32.
-  out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads])
+  # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32. In
+  # "multiply", a split of -1s only that met a NaN null block poisons its
+  # row, as in production kernels' merge.
+  out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads], empty_nan=not select)
   return out.astype(q.dtype), lse
