@@ -5,8 +5,10 @@ wgmma operand (an operand's 8-row tiles interleave the rows), and a row-major
 landing tile costs a register relayout per tile. Here each of the producer
 warpgroup's 128 threads copies its 16-byte pieces of the rows itself, with
 `cp.async` (global -> shared, no registers in between), to the address the
-operand's tiling and swizzle give each piece; the copies of a tile form one
-`cp.async` group that the producer waits on before it releases the tile.
+operand's tiling and swizzle give each piece; each thread then arrives on the
+stage's mbarrier with `cp.async.mbarrier.arrive.noinc`, an arrival that happens
+when that thread's copies have landed, so the stage completes with its last
+byte and the producer never waits for a tile (both stages can be filling).
 
 Pallas exposes no per-thread gathered copy, so this is written in Mosaic GPU's
 own IR (`plgpu.inline_mgpu`) and runs compiled only; the interpreter's
@@ -40,11 +42,11 @@ SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 
 
 def issue_gather(
-    ids, cache, k_lat, k_rope, idx_src, idx_dst, scratch, *, tile: int, transforms,
+    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, scratch, *, tile: int, transforms,
     null_once: bool,
 ) -> None:
   """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r, and `idx_src`
-  into `idx_dst` (one cp.async group).
+  into `idx_dst`; `bar` completes its phase when all of them landed.
 
   Called by all 128 threads of one warpgroup, compiled only.
 
@@ -58,6 +60,10 @@ def issue_gather(
     k_rope: `[tile, 64]` bf16 SMEM ref under `transforms`.
     idx_src: `[tile]` int32 GMEM ref (the tile's indices, 16-byte aligned).
     idx_dst: `[tile]` int32 SMEM ref, where they land beside the rows.
+    bar: `[2]` int32 SMEM ref holding an mbarrier (`init_barriers`, 128
+      arrivals): each thread's arrival is its copies' completion
+      (`cp.async.mbarrier.arrive.noinc`), so the phase completes when the
+      whole tile has landed and nobody waits for it here.
     tile: rows per call, a multiple of 16.
     transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
     scratch: `[4]` int32 SMEM ref with `null_once` (the caller orders its
@@ -76,11 +82,12 @@ def issue_gather(
           plgpu.RefType(transforms=transforms),
           plgpu.RefType(),
           plgpu.RefType(),
+          plgpu.RefType(),
           *([plgpu.RefType()] if null_once else []),
       )
   )
   def _issue(_ctx, ids_ref, cache_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref,
-             scratch_ref=None):
+             bar_ref, scratch_ref=None):
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i8 = ir.IntegerType.get_signless(8)
@@ -173,9 +180,9 @@ def issue_gather(
           PIECE,
           nvvm.LoadCacheModifierKind.CG,
       )
-    nvvm.cp_async_commit_group()
+    nvvm.cp_async_mbarrier_arrive(mgpu_utils.memref_ptr(bar_ref), noinc=True)
 
-  _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst, *([scratch] if null_once else []))
+  _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *([scratch] if null_once else []))
 
 
 def zero_fill(*refs, transforms) -> None:
@@ -208,12 +215,58 @@ def zero_fill(*refs, transforms) -> None:
   _fill(*refs)
 
 
-def wait_gathers() -> None:
-  """Waits until every cp.async group this thread started has landed."""
+def init_barriers(bars, *, arrivals: int) -> None:
+  """Initialises the mbarriers in `bars` (`[n, 2]` int32 SMEM ref, 8 bytes each).
+
+  Called by one warpgroup (its first thread initialises), compiled only;
+  other threads may use the barriers once a barrier (a warpgroup barrier, or
+  an mbarrier the initialising thread arrives on afterwards) orders them
+  after this.
+  """
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def _init(_ctx, bars_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    first = arith.cmpi(
+        arith.CmpIPredicate.eq,
+        arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32)),
+        mgpu_utils.c(0, i32),
+    )
+    base = mgpu_utils.memref_ptr(bars_ref)
+    for k in range(ir.MemRefType(bars_ref.type).shape[0]):
+      nvvm.mbarrier_init(
+          mgpu_utils.getelementptr(base, [8 * k], i8),
+          mgpu_utils.c(arrivals, i32),
+          predicate=first,
+      )
+    nvvm.fence_mbarrier_init()
+
+  _init(bars)
+
+
+def wait_barrier(bar, *, parity: int) -> None:
+  """Waits for the phase of parity `parity` of the mbarrier in `bar` (`[2]` int32
+  SMEM ref), then fences so that this thread's wgmma (the async proxy) sees
+  what the phase made visible (bytes `cp.async` wrote). Compiled only."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def _wait(_ctx, bar_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    nvvm.mbarrier_try_wait_parity(
+        mgpu_utils.memref_ptr(bar_ref), mgpu_utils.c(parity, i32),
+        mgpu_utils.c(10_000_000, i32),
+    )
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+  _wait(bar)
+
+
+def warpgroup_barrier() -> None:
+  """A barrier of this warpgroup's 128 threads alone (no memory fence)."""
 
   @plgpu.inline_mgpu()
-  def _wait(_ctx):
-    nvvm.cp_async_wait_group(0)
+  def _barrier(_ctx):
+    mgpu_utils.warpgroup_barrier()
 
-  _wait()
-
+  _barrier()

@@ -4,11 +4,15 @@ A row's keys are arbitrary cache slots. Warpgroup 2, the producer, gathers
 each 64-row tile of them straight into the swizzled wgmma operand tiles of a
 two-stage ring: compiled, each of its 128 threads copies its 16-byte pieces of
 the rows with `cp.async` (`gather.py`: no TMA per row, no relayout through
-registers); the tile's copies form one group per thread, and the producer
-waits on them, fences and arrives on the stage's barrier. Each tile's 64 slot
-ids come ahead of time by one TMA copy into a four-deep SMEM ring. (The
-interpreter has no `cp.async`: there the producer issues one TMA copy per row
-and latent half / RoPE part, which lands the same bytes.)
+registers), and arrives on the stage's own mbarrier with an arrival that
+completes when its copies land (`cp.async.mbarrier.arrive.noinc`): the stage
+is ready with its last byte, and the producer goes on to the next free stage
+without waiting (so both stages can be filling at once when the consumers are
+ahead of the copies).
+Each tile's 64 slot ids come ahead of time by one TMA copy into a four-deep
+SMEM ring. (The interpreter has no `cp.async`: there the producer issues one
+TMA copy per row and latent half / RoPE part, which lands the same bytes, on
+a Pallas barrier.)
 
 Warpgroups 0 and 1 consume each tile as the dense kernel does
 (`mla_decode.kernel`): scores by slots (warpgroup w computes S_w = Q K^T for
@@ -59,7 +63,13 @@ from jaxkv.kernels.mla_decode.kernel import (
     softmax_start,
     split_outputs,
 )
-from jaxkv.kernels.sparse_mla_decode.gather import issue_gather, wait_gathers, zero_fill
+from jaxkv.kernels.sparse_mla_decode.gather import (
+    init_barriers,
+    issue_gather,
+    wait_barrier,
+    warpgroup_barrier,
+    zero_fill,
+)
 
 HEAD_DIM = LATENT + ROPE
 TILE = 2 * SLOT_HALF  # slots per pipeline step: each consumer scores half
@@ -127,13 +137,16 @@ def build_kernel(
       # [2, 64] f32: each consumer's row maxima (at the end its row sums);
       # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
       # stage_idx [stages, 64] int32: each stage's indices (-1: masked);
-      # extra_refs: "multiply" compiled, scratch [4] int32 (the producer's
-      # warps' first -1 of a tile); interpreted, the RoPE query's buffer.
+      # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
+      # stage: its tile's copies landed) and in "multiply" scratch [4] int32
+      # (the producer's warps' first -1 of a tile); interpreted, the RoPE
+      # query's buffer.
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
       q_rope_smem = p_smem if compiled else extra_refs[0]
-      scratch = extra_refs[0] if compiled and not select else None
+      landed = extra_refs[0] if compiled else None
+      scratch = extra_refs[1] if compiled and not select else None
       wg = lax.axis_index("wg")
 
       def sync_consumers():
@@ -145,6 +158,10 @@ def build_kernel(
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        if compiled:
+          # Before the query's copy: the consumers' wait on it orders their
+          # first wait on a stage after this.
+          init_barriers(landed, arrivals=128)
         for h in range(2):
           plgpu.copy_gmem_to_smem(
               q_ref.at[b, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
@@ -181,8 +198,8 @@ def build_kernel(
           if compiled:
             issue_gather(
                 ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
-                tile_idx, stage_idx.at[stage], scratch, tile=TILE, transforms=bf16,
-                null_once=not select,
+                tile_idx, stage_idx.at[stage], landed.at[stage], scratch,
+                tile=TILE, transforms=bf16, null_once=not select,
             )
           else:
             plgpu.copy_gmem_to_smem(tile_idx, stage_idx.at[stage], ready_bar.at[stage])
@@ -218,30 +235,27 @@ def build_kernel(
                 for _ in range(3):  # the copies' arrivals
                   plgpu.barrier_arrive(ready_bar.at[stage])
 
-        # Step i releases tile i - 1 (compiled: once its gathers landed) and
-        # starts tile i, so the release never waits behind a free stage.
-        @pl.loop(0, num_tiles + 1)
-        def _(i):
-          @pl.when(i > 0)
-          def _():
-            if compiled:
-              wait_gathers()
-              # Every producer thread's pieces landed and its reads of the
-              # tile's ids are done; the fence orders the copies before the
-              # consumers' wgmma (another proxy) and the ids' refill.
-              plgpu.commit_smem()
-              plgpu.barrier_arrive(ready_bar.at[lax.rem(i - 1, NUM_STAGES)])
-            else:
-              plgpu.commit_smem()  # the ids' reads before their refill
-            pl.when(i - 1 + IDX_STAGES < num_tiles)(
-                lambda: fetch_ids(i - 1 + IDX_STAGES)
-            )
-
-          @pl.when(i < num_tiles)
-          def _():
+        if compiled:
+          # A stage is ready when its copies landed (each producer thread's
+          # arrival on `landed` completes with them): the producer moves on
+          # as soon as the next stage is free, so two tiles can be in flight.
+          @pl.loop(0, num_tiles)
+          def _(i):
             stage = lax.rem(i, NUM_STAGES)
             pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
             gather(i, stage)
+            warpgroup_barrier()  # every thread's reads of the tile's ids
+            pl.when(i + IDX_STAGES < num_tiles)(lambda: fetch_ids(i + IDX_STAGES))
+        else:
+          # Step i starts tile i once its stage is free; the interpreter's
+          # copies arrive on the stage's barrier themselves.
+          @pl.loop(0, num_tiles)
+          def _(i):
+            stage = lax.rem(i, NUM_STAGES)
+            pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
+            gather(i, stage)
+            plgpu.commit_smem()  # the ids' reads before their refill
+            pl.when(i + IDX_STAGES < num_tiles)(lambda: fetch_ids(i + IDX_STAGES))
 
         # Observe the releases of the last tiles too, so that every barrier
         # phase is consumed before the barriers go away.
@@ -267,7 +281,14 @@ def build_kernel(
         def step(i, carry):
           acc, m_i, l_i = carry
           stage = lax.rem(i, NUM_STAGES)
-          plgpu.barrier_wait(ready_bar.at[stage])
+          if compiled:
+            parity = lax.rem(i // NUM_STAGES, 2)
+            for ph in range(2):
+              pl.when(parity == ph)(
+                  lambda ph=ph: wait_barrier(landed.at[stage], parity=ph)
+              )
+          else:
+            plgpu.barrier_wait(ready_bar.at[stage])
           # Our slots' indices, from SMEM at the point of use (a loop-carried
           # GMEM prefetch cost ~16% in registers ptxas had to spill).
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
@@ -340,10 +361,9 @@ def build_kernel(
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
 
-    # Compiled, a stage is ready when the producer arrives after its
-    # gathers landed; interpreted, when the tile's 3 copies per row and its
-    # indices' copy did.
-    ready_arrivals = 1 if compiled else 3 * TILE + 1
+    # Interpreted, a stage is ready when the tile's 3 copies per row and its
+    # indices' copy landed (compiled, `landed` says it; this one is unused).
+    ready_arrivals = 3 * TILE + 1
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
@@ -358,7 +378,8 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
-        *([] if select else [plgpu.SMEM((4,), jnp.int32)]) if compiled else [
+        *[plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
+          *([] if select else [plgpu.SMEM((4,), jnp.int32)])] if compiled else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
         ],
         collective_axes="wg",
