@@ -64,10 +64,10 @@ def issue_gather(
       arrivals): each thread's arrival is its copies' completion
       (`cp.async.mbarrier.arrive.noinc`), so the phase completes when the
       whole tile has landed and nobody waits for it here.
-    tile: rows per call, a multiple of 16.
-    transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
     scratch: `[4]` int32 SMEM ref with `null_once` (the caller orders its
       reuse across calls with a warpgroup barrier), else None.
+    tile: rows per call, a multiple of 16.
+    transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
     null_once: see `ids`.
   """
   assert tile % ROWS_PER_PASS == 0

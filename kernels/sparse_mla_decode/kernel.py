@@ -235,27 +235,19 @@ def build_kernel(
                 for _ in range(3):  # the copies' arrivals
                   plgpu.barrier_arrive(ready_bar.at[stage])
 
-        if compiled:
-          # A stage is ready when its copies landed (each producer thread's
-          # arrival on `landed` completes with them): the producer moves on
-          # as soon as the next stage is free, so two tiles can be in flight.
-          @pl.loop(0, num_tiles)
-          def _(i):
-            stage = lax.rem(i, NUM_STAGES)
-            pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
-            gather(i, stage)
-            warpgroup_barrier()  # every thread's reads of the tile's ids
-            pl.when(i + IDX_STAGES < num_tiles)(lambda: fetch_ids(i + IDX_STAGES))
-        else:
-          # Step i starts tile i once its stage is free; the interpreter's
-          # copies arrive on the stage's barrier themselves.
-          @pl.loop(0, num_tiles)
-          def _(i):
-            stage = lax.rem(i, NUM_STAGES)
-            pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
-            gather(i, stage)
-            plgpu.commit_smem()  # the ids' reads before their refill
-            pl.when(i + IDX_STAGES < num_tiles)(lambda: fetch_ids(i + IDX_STAGES))
+        # Compiled, a stage is ready when its copies landed (each producer
+        # thread's arrival on `landed` completes with them), so the producer
+        # moves on as soon as the next stage is free and both stages can be
+        # filling at once; interpreted, the copies arrive on `ready_bar`.
+        @pl.loop(0, num_tiles)
+        def _(i):
+          stage = lax.rem(i, NUM_STAGES)
+          pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
+          gather(i, stage)
+          # Every thread's reads of the tile's ids before their refill (the
+          # interpreter has no inline barrier: commit_smem is one too).
+          (warpgroup_barrier if compiled else plgpu.commit_smem)()
+          pl.when(i + IDX_STAGES < num_tiles)(lambda: fetch_ids(i + IDX_STAGES))
 
         # Observe the releases of the last tiles too, so that every barrier
         # phase is consumed before the barriers go away.
