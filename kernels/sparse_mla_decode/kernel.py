@@ -282,7 +282,7 @@ def build_kernel(
           else:
             plgpu.barrier_wait(ready_bar.at[stage])
           # Our slots' indices, from SMEM at the point of use (a loop-carried
-          # GMEM prefetch cost ~16% in registers ptxas had to spill).
+          # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
           def qk(s_ref):
