@@ -287,6 +287,37 @@ def test_profiler_needs_a_compiled_kernel():
     )
 
 
+@pytest.mark.parametrize("block_size, select", [(64, True), (32, False), (128, True)])
+def test_compiled_kernels_lower_for_hopper(block_size, select):
+  """The compiled kernels' own paths (the RoPE query in registers, the seeded
+  accumulator) exist only for the GPU, where the interpreter cannot run them:
+  lowering the decode and merge kernels for CUDA here catches a broken body on a
+  CPU machine. (Their results are checked on the H200 by the benchmark script.)"""
+  from jaxkv.kernels.mla_decode import kernel, merge
+
+  batch, hp, parts, splits, max_blocks = 2, 128, 4, 3, 8
+  decode = kernel.build_kernel(
+      batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits,
+      block_size=block_size, sm_scale=SCALE, select=select, interpret=None,
+  )
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  args = (
+      jax.ShapeDtypeStruct((batch, hp, 576), jnp.bfloat16),
+      jax.ShapeDtypeStruct((16, block_size, 576), jnp.bfloat16),
+      i32(batch, max_blocks), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1),
+      i32(batch),
+  )
+  text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.mma_async" in text and "setmaxnreg" in text
+  combine = merge.build_merge(
+      batch=batch, num_splits=splits, heads_padded=hp, dv=512,
+      max_tokens=max_blocks * block_size, out_dtype=jnp.bfloat16, interpret=None,
+  )
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  merge_args = (i32(batch), i32(batch, splits + 1), f32(batch, splits, hp, 512), f32(batch, splits, hp))
+  jax.jit(combine).trace(*merge_args).lower(lowering_platforms=("cuda",))
+
+
 def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   """Where the CPU backend cannot run the three warpgroups at once, the interpreted
   kernel would wait forever: the call raises, naming the fix, before launching."""

@@ -190,3 +190,30 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   q, cache, idx = _inputs(0, 1, 16, 64)
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("select, splits, heads", [(True, 1, 64), (False, 2, 128)])
+def test_compiled_kernel_lowers_for_hopper(select, splits, heads):
+  """The compiled kernel's own path (the per-thread cp.async gather, the stage
+  mbarriers, "multiply"'s warp reduction) exists only for the GPU, where the
+  interpreter cannot run it: lowering it for CUDA here catches a broken body on a
+  CPU machine. (Its results are checked on the H200 by the benchmark script.)"""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 2, 64 * splits
+  call = K.build_kernel(
+      batch=batch, heads_padded=heads, topk=topk, num_splits=splits, sm_scale=SCALE,
+      select=select, interpret=None,
+  )
+  args = (
+      jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),
+      jax.ShapeDtypeStruct((NUM_BLOCKS * BLOCK_SIZE, 576), jnp.bfloat16),
+      jax.ShapeDtypeStruct((batch, topk), jnp.int32),
+  )
+  text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  ops = ["nvvm.cp.async.shared.global", "nvvm.cp.async.mbarrier.arrive",
+         "nvvm.mbarrier.try_wait.parity", "nvvm.mbarrier.init"]
+  if not select:
+    ops.append("nvvm.redux.sync")
+  for op in ops:
+    assert op in text, op
