@@ -9,7 +9,7 @@ from jaxkv.kernels._common import device_kind, load_tuning
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
-TILE = 64  # indices per kernel step (`kernel.TILE`)
+TILE = 64  # indices per kernel step; the kernel's tile is this one
 IMPLEMENTATIONS = ("xla", "pallas")
 
 

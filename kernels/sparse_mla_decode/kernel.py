@@ -63,6 +63,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     softmax_start,
     split_outputs,
 )
+from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
     init_barriers,
     issue_gather,
@@ -72,7 +73,9 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
 )
 
 HEAD_DIM = LATENT + ROPE
-TILE = 2 * SLOT_HALF  # slots per pipeline step: each consumer scores half
+# Slots per pipeline step (the config's divisibility unit): each consumer
+# scores half.
+assert TILE == 2 * SLOT_HALF
 IDX_STAGES = 4  # tiles of slot ids in flight ahead of their gathers
 # setmaxnreg only moves registers inside the launch allocation (168 per
 # thread for 384 threads): 2 * CONSUMER_REGS + PRODUCER_REGS <= 3 * 168, or
@@ -130,7 +133,7 @@ def build_kernel(
     tok0 = split * (num_tiles * TILE)
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
-               q_bar, idx_bar, ready_bar, free_bar, sync_bar, *extra_refs):
+               q_bar, idx_bar, free_bar, sync_bar, *extra_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
       # and k_rope [stages, 64, 64] bf16: the KV ring; p_smem [64, 64] bf16: P
       # of the tile (each consumer writes the 32 columns of its slots); xchg
@@ -140,13 +143,17 @@ def build_kernel(
       # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
       # stage: its tile's copies landed) and in "multiply" scratch [4] int32
       # (the producer's warps' first -1 of a tile); interpreted, the RoPE
-      # query's buffer.
+      # query's buffer and ready_bar (a stage's copies landed).
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
-      q_rope_smem = p_smem if compiled else extra_refs[0]
-      landed = extra_refs[0] if compiled else None
-      scratch = extra_refs[1] if compiled and not select else None
+      if compiled:
+        landed, *rest = extra_refs
+        scratch = rest[0] if rest else None
+        q_rope_smem, ready_bar = p_smem, None
+      else:
+        q_rope_smem, ready_bar = extra_refs
+        landed = scratch = None
       wg = lax.axis_index("wg")
 
       def sync_consumers():
@@ -353,9 +360,18 @@ def build_kernel(
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
 
-    # Interpreted, a stage is ready when the tile's 3 copies per row and its
-    # indices' copy landed (compiled, `landed` says it; this one is unused).
-    ready_arrivals = 3 * TILE + 1
+    if compiled:
+      extra = [
+          plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
+          *([] if select else [plgpu.SMEM((4,), jnp.int32)]),
+      ]
+    else:
+      # A stage is ready when the tile's 3 copies per row and its indices'
+      # copy landed.
+      extra = [
+          plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
+          plgpu.Barrier(num_arrivals=3 * TILE + 1, num_barriers=NUM_STAGES),
+      ]
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
@@ -367,13 +383,9 @@ def build_kernel(
         plgpu.SMEM((NUM_STAGES, TILE), jnp.int32),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
-        plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
-        *[plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
-          *([] if select else [plgpu.SMEM((4,), jnp.int32)])] if compiled else [
-            plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
-        ],
+        *extra,
         collective_axes="wg",
     )
 
