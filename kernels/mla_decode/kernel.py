@@ -16,17 +16,20 @@ three TMA copies of 256 + 256 + 64 channels per cache block in it) through a
 two-stage ring that runs on across segments. Warpgroups 0 and 1 consume and
 split every tile (below: block) two ways. Scores by slots: warpgroup w
 computes S_w = Q K^T for slots [32w, 32w + 32) of the block ([64, 32], 576
-deep); the two swap their row maxima through SMEM, so both rescale by the
-same running maximum, and each writes its 32 columns of P (bf16) into one
-shared [64, 64] tile. Values by
-channels: warpgroup w accumulates O[:, 256w:256w+256] += P V over all 64 slots
-(a 64x256 f32 accumulator; 64x512 does not fit one warpgroup). Two
-rendezvous per block (maxima, then P); each warpgroup's row sum covers its
-own slots and the two are added at the end. All bf16 tiles are 32 columns
-wide (64-byte swizzle), since wgmma takes A and B under the same transforms
-and P's halves are 32 wide. KV bytes are read once per head group. Only the
-last block of a segment can be partial: it is peeled out of the loop and
-alone pays for masking.
+deep). Values by channels: warpgroup w accumulates O[:, 256w:256w+256] over
+all 64 slots (a 64x256 f32 accumulator; 64x512 does not fit one warpgroup).
+The two halves of a block meet in FlashMLA's "seesaw" order: warpgroup 0
+folds its half into the running maximum first and hands the new maximum on;
+warpgroup 1 folds its half in after it. Each multiplies its own half's P
+(from registers) into its channels at once and the other half's P (through
+one shared [64, 64] bf16 tile, warpgroup 0's rescaled to warpgroup 1's
+maximum) when it arrives, so one warpgroup's softmax runs beside the
+other's wgmma instead of both meeting twice per block. Each warpgroup's row
+sum covers its own slots, at the common scale; the two are added at the
+end. All bf16 tiles are 32 columns wide (64-byte swizzle), since wgmma takes
+A and B under the same transforms and P's halves are 32 wide. KV bytes are
+read once per head group. Only the last block of a segment can be partial:
+it is peeled out of the loop and alone pays for masking.
 
 Each segment's partial result is stored straight from registers to GMEM
 (float32, normalised, with its natural-log LSE); the wrapper merges a row's
@@ -162,12 +165,16 @@ def build_kernel(
       return lo, hi - lo, split
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg,
-               q_bar, kv_bar, free_bar, sync_bar, q_free_bar, *interp_refs):
+               q_bar, kv_bar, free_bar, sync_bar, q_free_bar,
+               m0_bar, p0_bar, p1_bar, p0_free, p1_free, *interp_refs):
       # q_lat [2, 64, 256] bf16: the segment's latent query; k_lat [stages,
       # 2, 64, 256] and k_rope [stages, 64, 64] bf16: the KV ring; p_smem
       # [64, 64] bf16: P of the block (each consumer writes the 32 columns of
-      # its slots); xchg [2, 64] f32: each consumer's row maxima (and at a
-      # segment's end its row sums).
+      # its slots, for the other); xchg [2, 64] f32: the maxima each consumer
+      # hands on (and at a segment's end its row sums). Barriers of the
+      # seesaw (one arrival each): m0_bar (warpgroup 0's maximum is out),
+      # p1_bar / p0_bar (warpgroup 1's / 0's P half is out), p0_free /
+      # p1_free (that half has been read and may be overwritten).
       # Compiled, the RoPE query lands in p_smem at a segment's start and
       # moves to registers before the first P is written (which keeps SMEM
       # within the limit); the interpreter keeps it in its own buffer.
@@ -175,7 +182,7 @@ def build_kernel(
       wg = lax.axis_index("wg")
 
       def sync_consumers():
-        # One barrier serves every rendezvous of the two consumers: neither
+        # One barrier serves both rendezvous of a segment's end: neither
         # can pass phase k + 1 before the other has waited on phase k.
         plgpu.barrier_arrive(sync_bar)
         plgpu.barrier_wait(sync_bar)
@@ -259,35 +266,85 @@ def build_kernel(
         # `wg` is static: every SMEM slice below has a compile-time offset.
         plgpu.set_max_registers(232, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
+        own = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
+        other = pl.ds((1 - wg) * SLOT_HALF, SLOT_HALF)
+        # Our half of p_smem is announced on `tell_p`; we may overwrite it once
+        # the other warpgroup arrived on `ours_free`, and tell it on
+        # `theirs_free` when we are done reading its half.
+        if wg == 0:
+          tell_p, ours_free, theirs_free = p0_bar, p0_free, p1_free
+        else:
+          tell_p, ours_free, theirs_free = p1_bar, p1_free, p0_free
 
-        def other_rows():
-          return plgpu.load(
-              xchg.at[1 - wg], layout=row_layout, optimized=False
-          )
+        def rows(k):
+          return plgpu.load(xchg.at[k], layout=row_layout, optimized=False)
 
-        def kv_step(i, carry, *, row, lo, steps, q_rope, last: bool):
-          slot = lax.rem(steps + i, NUM_STAGES)
-          with jax.named_scope("kv_wait"):
-            plgpu.barrier_wait(kv_bar.at[slot])
-          with jax.named_scope("last_tile" if last else "tile"):
-            return kv_tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, last=last)
-
-        def kv_tile(i, carry, slot, *, row, lo, q_rope, last: bool):
-          # `last` is static. Only the last block of a segment can hold
-          # slots past seq_len, so the steady-state loop runs the unmasked
-          # body, the same in both modes, and only the peeled last step pays
-          # for masking.
-          acc, m_i, l_i = carry
-
+        def scores(slot, q_rope):
+          # S_w = Q K^T for our half of the tile's slots: [64, 32], 576 deep.
           def qk(s_ref):
             for h in range(2):
-              plgpu.wgmma(s_ref, q_lat.at[h], k_lat.at[slot, h, slots].T)
-            plgpu.wgmma(s_ref, q_rope, k_rope.at[slot, slots].T)
+              plgpu.wgmma(s_ref, q_lat.at[h], k_lat.at[slot, h, own].T)
+            plgpu.wgmma(s_ref, q_rope, k_rope.at[slot, own].T)
             return s_ref[...]
 
-          # Scores of our half of the block's slots only: [64, 32].
-          s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
+          return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
+
+        def pv(acc, slot, slots, *, p=None, p_cols=None):
+          # O[:, our 256 channels] += P V over 32 of the tile's slots: P is
+          # [64, 32] bf16, `p` in registers or `p_smem[:, p_cols]`.
+          # (Refs are sliced inside the wgmma bodies: a slice closed over
+          # from outside does not lower.)
+          if interpret is None:
+            def body(o_acc_ref):
+              a = p if p_cols is None else p_smem.at[:, p_cols]
+              plgpu.wgmma(o_acc_ref, a, k_lat.at[slot, wg, slots])
+
+            return pl.run_state(body)(plgpu.ACC.init(acc))
+
+          # The interpreter cannot seed an accumulator (the sum is explicit)
+          # nor take a register operand (P goes through its own SMEM).
+          if p_cols is None:
+            interp_refs[1][wg] = p
+            plgpu.commit_smem()
+
+          def pv_fresh(o_acc_ref):
+            a = interp_refs[1].at[wg] if p_cols is None else p_smem.at[:, p_cols]
+            plgpu.wgmma(o_acc_ref, a, k_lat.at[slot, wg, slots])
+            return o_acc_ref[...]
+
+          return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
+
+        def clean_values(slot, n_keep):
+          # Zeroes the value rows from `n_keep` on in our 256 channels (all 64
+          # slots; called once both QKs of the tile are done): p = 0 alone
+          # cannot stop 0 * NaN from reaching the accumulator. 64 channels at
+          # a time: 16 registers, not 64, beside the accumulator.
+          @pl.when(n_keep < TILE)
+          def _():
+            r = plgpu.broadcasted_iota(
+                jnp.int32, (TILE, CLEAN_COLS), 0, layout=plgpu.Layout.WGMMA
+            )
+            for c in range(HALF // CLEAN_COLS):
+              v_ref = k_lat.at[slot, wg, :, pl.ds(c * CLEAN_COLS, CLEAN_COLS)]
+              v = plgpu.load(v_ref, layout=plgpu.Layout.WGMMA)
+              v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
+          plgpu.commit_smem()  # the wgmmas below read the cleaned rows
+
+        def tile(i, carry, slot, *, row, lo, q_rope, last: bool):
+          """One 64-slot tile, FlashMLA's "seesaw" over its two 32-slot halves.
+
+          Warpgroup 0 scores slots [0, 32), warpgroup 1 slots [32, 64). The
+          running maximum passes from one to the other instead of being
+          agreed on: warpgroup 0 folds its half in first (m0 = max(m, its
+          rows)), warpgroup 1 then (m1 = max(m0, its rows)); each multiplies
+          its own half's P into its 256 channels of O at once and the other
+          half's P when it arrives (warpgroup 0's rescaled by exp2(m0 - m1)),
+          so one warpgroup's softmax runs beside the other's wgmma. `carry`
+          is (acc, m, l): m is the running maximum before the tile, the same
+          in both; l sums our slots only, at the same scale in both.
+          """
+          acc, m_i, l_i = carry
+          s = scores(slot, q_rope)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block, and at block size 32 a
@@ -297,68 +354,78 @@ def build_kernel(
                 jnp.int32, (HEAD_TILE, SLOT_HALF), 1, layout=plgpu.Layout.WGMMA
             )
             s = jnp.where(col + wg * SLOT_HALF < n_valid, s * scale_log2, -jnp.inf)
-          else:
-            s = s * scale_log2
-          # Both warpgroups need the block's row maximum: swap halves.
-          m_own = s.max(axis=1)
-          xchg[wg] = m_own
-          sync_consumers()  # also: both QKs of this block are done
-          m_new = jnp.maximum(m_i, jnp.maximum(m_own, other_rows()))
-
-          if last and (select or block_size < TILE):
-            # Each warpgroup cleans the value rows it alone multiplies (its
-            # 256 channels): p = 0 alone cannot stop 0 * NaN from reaching
-            # the accumulator. "select" keeps the row's tokens only;
-            # "multiply" keeps the whole of the row's last block (its
-            # unwritten tail too, as production kernels do), never the
-            # repeat that fills a tile past it.
+            # "select" keeps the row's tokens only; "multiply" keeps the
+            # whole of the row's last block (its unwritten tail too, as
+            # production kernels do), never the repeat past it.
             if select:
               n_keep = n_valid
             else:
               n_keep = (n_valid + block_size - 1) // block_size * block_size
-
-            @pl.when(n_keep < TILE)
-            def _():
-              # 64 channels at a time: 16 registers, not 64, beside the
-              # accumulator (the whole half at once spilled).
-              r = plgpu.broadcasted_iota(
-                  jnp.int32, (TILE, CLEAN_COLS), 0, layout=plgpu.Layout.WGMMA
-              )
-              for c in range(HALF // CLEAN_COLS):
-                v_ref = k_lat.at[slot, wg, :, pl.ds(c * CLEAN_COLS, CLEAN_COLS)]
-                v = plgpu.load(v_ref, layout=plgpu.Layout.WGMMA)
-                v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
-
-          alpha = jnp.exp2(m_i - m_new)
-          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-          # l_i sums our slots only; the halves are added at the end (both
-          # warpgroups rescale by the same alpha).
-          l_i = l_i * alpha + p.sum(axis=1)
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          p_smem[:, slots] = p.astype(dtype)
-          plgpu.commit_smem()
-          sync_consumers()  # both halves of P are in SMEM
-
-          if interpret is None:
-            def pv(o_acc_ref):
-              plgpu.wgmma(o_acc_ref, p_smem, k_lat.at[slot, wg])
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            clean = select or block_size < TILE
           else:
-            # The interpreter cannot seed an accumulator: the sum is explicit.
-            def pv_fresh(o_acc_ref):
-              plgpu.wgmma(o_acc_ref, p_smem, k_lat.at[slot, wg])
-              return o_acc_ref[...]
+            s = s * scale_log2
+            clean = False
+          bcast = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
 
-            acc = acc + pl.run_scoped(
-                pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)
-            )
+          if wg == 0:
+            m0 = jnp.maximum(m_i, s.max(axis=1))
+            scale0 = jnp.exp2(m_i - m0)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m0, s.shape, [0]))
+            l_i = l_i * scale0 + p.sum(axis=1)
+            xchg[0] = m0
+            plgpu.barrier_arrive(m0_bar)  # our QK is done, m0 is out
+            acc = acc * bcast(scale0)
+            p16 = p.astype(dtype)
+            if not clean:
+              acc = pv(acc, slot, own, p=p16)  # beside warpgroup 1's softmax
+            plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs done
+            m1 = rows(1)
+            scale1 = jnp.exp2(m0 - m1)
+            if clean:
+              clean_values(slot, n_keep)
+              acc = pv(acc, slot, own, p=p16)
+            # Our P at warpgroup 1's scale, for its channels.
+            p_scaled = (p * lax.broadcast_in_dim(scale1, s.shape, [0])).astype(dtype)
+            plgpu.barrier_wait(ours_free)  # warpgroup 1 is done with our last P
+            p_smem[:, own] = p_scaled
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(tell_p)
+            acc = acc * bcast(scale1)
+            l_i = l_i * scale1
+            acc = pv(acc, slot, other, p_cols=other)
+            m_new = m1
+          else:
+            plgpu.barrier_wait(m0_bar)
+            m0 = rows(0)
+            m1 = jnp.maximum(m0, s.max(axis=1))
+            scale = jnp.exp2(m_i - m0) * jnp.exp2(m0 - m1)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m1, s.shape, [0]))
+            l_i = l_i * scale + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(ours_free)  # warpgroup 0 is done with our last P
+            p_smem[:, own] = p16
+            xchg[1] = m1
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(tell_p)
+            acc = acc * bcast(scale)
+            if not clean:
+              acc = pv(acc, slot, own, p=p16)  # beside warpgroup 0's rescale
+            plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale; its QK done
+            if clean:
+              clean_values(slot, n_keep)
+              acc = pv(acc, slot, own, p=p16)
+            acc = pv(acc, slot, other, p_cols=other)
+            m_new = m1
+          # We are done with the other's half of p_smem and with the stage.
+          plgpu.barrier_arrive(theirs_free)
           plgpu.barrier_arrive(free_bar.at[slot])
           if last:
             # The segment's last QK and PV are done: the producer may load
             # the next segment's query.
             plgpu.barrier_arrive(q_free_bar)
           return acc, m_new, l_i
+
+        other_rows = lambda: rows(1 - wg)
 
         def consume(row, steps):
           lo, n, split = segment(row)
@@ -374,12 +441,16 @@ def build_kernel(
               q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA)
             else:
               q_rope = q_rope_smem
-            acc, m_i, l_i = softmax_start(HALF)
-            step = functools.partial(
-                kv_step, row=row, lo=lo, steps=steps, q_rope=q_rope
-            )
+
+            def step(i, carry, *, last: bool):
+              slot = lax.rem(steps + i, NUM_STAGES)
+              with jax.named_scope("kv_wait"):
+                plgpu.barrier_wait(kv_bar.at[slot])
+              with jax.named_scope("last_tile" if last else "tile"):
+                return tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, last=last)
+
             carry = lax.fori_loop(
-                0, n - 1, functools.partial(step, last=False), (acc, m_i, l_i)
+                0, n - 1, functools.partial(step, last=False), softmax_start(HALF)
             )
             acc, m_i, l_own = step(n - 1, carry, last=True)
             with jax.named_scope("epilogue"):
@@ -388,10 +459,10 @@ def build_kernel(
           return steps + n
 
         def finish(row, split, acc, m_i, l_own):
-          # The other half's sum, through the exchange rows (free: the other
-          # warpgroup read our last maximum before the last P rendezvous).
-          # The second rendezvous keeps the next segment's maxima from
-          # overwriting a sum not yet read.
+          # The other half's sum, through the exchange rows (free: each
+          # warpgroup read the maximum the other handed on before the last
+          # P half passed). The second rendezvous keeps the next segment's
+          # maxima from overwriting a sum not yet read.
           xchg[wg] = l_own
           sync_consumers()
           l_i = l_own + other_rows()
@@ -401,7 +472,11 @@ def build_kernel(
           if wg == 0:
             lse_ref[row, split, heads] = lse
 
+        # Our half of p_smem starts free for the other: one arrival ahead,
+        # consumed by its first wait; the last one is consumed here.
+        plgpu.barrier_arrive(theirs_free)
         lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
+        plgpu.barrier_wait(ours_free)
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -419,8 +494,10 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
+        *[plgpu.Barrier(num_arrivals=1) for _ in range(5)],
         *([] if rope_in_regs else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
+            plgpu.SMEM((2, HEAD_TILE, SLOT_HALF), dtype, transforms=bf16),
         ]),
         collective_axes="wg",
     )
