@@ -267,14 +267,7 @@ def build_kernel(
         plgpu.set_max_registers(232, action="increase")
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         own = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
-        other = pl.ds((1 - wg) * SLOT_HALF, SLOT_HALF)
-        # Our half of p_smem is announced on `tell_p`; we may overwrite it once
-        # the other warpgroup arrived on `ours_free`, and tell it on
-        # `theirs_free` when we are done reading its half.
-        if wg == 0:
-          tell_p, ours_free, theirs_free = p0_bar, p0_free, p1_free
-        else:
-          tell_p, ours_free, theirs_free = p1_bar, p1_free, p0_free
+        bars = (m0_bar, p0_bar, p1_bar, p0_free, p1_free)
 
         def rows(k):
           return plgpu.load(xchg.at[k], layout=row_layout, optimized=False)
@@ -288,31 +281,6 @@ def build_kernel(
             return s_ref[...]
 
           return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
-
-        def pv(acc, slot, slots, *, p=None, p_cols=None):
-          # O[:, our 256 channels] += P V over 32 of the tile's slots: P is
-          # [64, 32] bf16, `p` in registers or `p_smem[:, p_cols]`.
-          # (Refs are sliced inside the wgmma bodies: a slice closed over
-          # from outside does not lower.)
-          if interpret is None:
-            def body(o_acc_ref):
-              a = p if p_cols is None else p_smem.at[:, p_cols]
-              plgpu.wgmma(o_acc_ref, a, k_lat.at[slot, wg, slots])
-
-            return pl.run_state(body)(plgpu.ACC.init(acc))
-
-          # The interpreter cannot seed an accumulator (the sum is explicit)
-          # nor take a register operand (P goes through its own SMEM).
-          if p_cols is None:
-            interp_refs[1][wg] = p
-            plgpu.commit_smem()
-
-          def pv_fresh(o_acc_ref):
-            a = interp_refs[1].at[wg] if p_cols is None else p_smem.at[:, p_cols]
-            plgpu.wgmma(o_acc_ref, a, k_lat.at[slot, wg, slots])
-            return o_acc_ref[...]
-
-          return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
 
         def clean_values(slot, n_keep):
           # Zeroes the value rows from `n_keep` on in our 256 channels (all 64
@@ -331,18 +299,8 @@ def build_kernel(
           plgpu.commit_smem()  # the wgmmas below read the cleaned rows
 
         def tile(i, carry, slot, *, row, lo, q_rope, last: bool):
-          """One 64-slot tile, FlashMLA's "seesaw" over its two 32-slot halves.
-
-          Warpgroup 0 scores slots [0, 32), warpgroup 1 slots [32, 64). The
-          running maximum passes from one to the other instead of being
-          agreed on: warpgroup 0 folds its half in first (m0 = max(m, its
-          rows)), warpgroup 1 then (m1 = max(m0, its rows)); each multiplies
-          its own half's P into its 256 channels of O at once and the other
-          half's P when it arrives (warpgroup 0's rescaled by exp2(m0 - m1)),
-          so one warpgroup's softmax runs beside the other's wgmma. `carry`
-          is (acc, m, l): m is the running maximum before the tile, the same
-          in both; l sums our slots only, at the same scale in both.
-          """
+          """One 64-slot tile: our half's scores (masked in a segment's last
+          tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
           s = scores(slot, q_rope)
           if last:
@@ -365,59 +323,14 @@ def build_kernel(
           else:
             s = s * scale_log2
             clean = False
-          bcast = lambda x: lax.broadcast_in_dim(x, acc.shape, [0])
-
-          if wg == 0:
-            m0 = jnp.maximum(m_i, s.max(axis=1))
-            scale0 = jnp.exp2(m_i - m0)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m0, s.shape, [0]))
-            l_i = l_i * scale0 + p.sum(axis=1)
-            xchg[0] = m0
-            plgpu.barrier_arrive(m0_bar)  # our QK is done, m0 is out
-            acc = acc * bcast(scale0)
-            p16 = p.astype(dtype)
-            if not clean:
-              acc = pv(acc, slot, own, p=p16)  # beside warpgroup 1's softmax
-            plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs done
-            m1 = rows(1)
-            scale1 = jnp.exp2(m0 - m1)
-            if clean:
-              clean_values(slot, n_keep)
-              acc = pv(acc, slot, own, p=p16)
-            # Our P at warpgroup 1's scale, for its channels.
-            p_scaled = (p * lax.broadcast_in_dim(scale1, s.shape, [0])).astype(dtype)
-            plgpu.barrier_wait(ours_free)  # warpgroup 1 is done with our last P
-            p_smem[:, own] = p_scaled
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(tell_p)
-            acc = acc * bcast(scale1)
-            l_i = l_i * scale1
-            acc = pv(acc, slot, other, p_cols=other)
-            m_new = m1
-          else:
-            plgpu.barrier_wait(m0_bar)
-            m0 = rows(0)
-            m1 = jnp.maximum(m0, s.max(axis=1))
-            scale = jnp.exp2(m_i - m0) * jnp.exp2(m0 - m1)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m1, s.shape, [0]))
-            l_i = l_i * scale + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            plgpu.barrier_wait(ours_free)  # warpgroup 0 is done with our last P
-            p_smem[:, own] = p16
-            xchg[1] = m1
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(tell_p)
-            acc = acc * bcast(scale)
-            if not clean:
-              acc = pv(acc, slot, own, p=p16)  # beside warpgroup 0's rescale
-            plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale; its QK done
-            if clean:
-              clean_values(slot, n_keep)
-              acc = pv(acc, slot, own, p=p16)
-            acc = pv(acc, slot, other, p_cols=other)
-            m_new = m1
-          # We are done with the other's half of p_smem and with the stage.
-          plgpu.barrier_arrive(theirs_free)
+          pv = functools.partial(
+              seesaw_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
+              p_scratch=None if interpret is None else interp_refs[1],
+          )
+          acc, m_new, l_i = seesaw_tile(
+              wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
+              clean=functools.partial(clean_values, slot, n_keep) if clean else None,
+          )
           plgpu.barrier_arrive(free_bar.at[slot])
           if last:
             # The segment's last QK and PV are done: the producer may load
@@ -472,11 +385,9 @@ def build_kernel(
           if wg == 0:
             lse_ref[row, split, heads] = lse
 
-        # Our half of p_smem starts free for the other: one arrival ahead,
-        # consumed by its first wait; the last one is consumed here.
-        plgpu.barrier_arrive(theirs_free)
+        seesaw_begin(wg, bars)
         lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
-        plgpu.barrier_wait(ours_free)
+        seesaw_end(wg, bars)
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -494,10 +405,10 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
-        *[plgpu.Barrier(num_arrivals=1) for _ in range(5)],
+        *seesaw_barriers(),
         *([] if rope_in_regs else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
-            plgpu.SMEM((2, HEAD_TILE, SLOT_HALF), dtype, transforms=bf16),
+            seesaw_p_scratch(),
         ]),
         collective_axes="wg",
     )
@@ -542,6 +453,147 @@ def softmax_finish(acc, m, l):
   o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
   lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) / _LOG2E, -jnp.inf)
   return o, lse
+
+
+def seesaw_barriers():
+  """The seesaw's five one-arrival barriers: `(m0_bar, p0_bar, p1_bar, p0_free,
+  p1_free)` (warpgroup 0's maximum is out; warpgroup 0's / 1's P half is out;
+  that half has been read and may be overwritten)."""
+  return [plgpu.Barrier(num_arrivals=1) for _ in range(5)]
+
+
+def seesaw_p_scratch():
+  """The interpreter's SMEM for each consumer's own P half (`[2, 64, 32]` bf16):
+  it cannot take a register operand for a wgmma into an accumulator."""
+  return plgpu.SMEM((2, HEAD_TILE, SLOT_HALF), jnp.bfloat16, transforms=bf16_tile())
+
+
+def seesaw_begin(wg: int, bars) -> None:
+  """Before a consumer's first tile: our half of P starts free for the other
+  (one arrival ahead, consumed by its first wait)."""
+  plgpu.barrier_arrive(bars[4] if wg == 0 else bars[3])
+
+
+def seesaw_end(wg: int, bars) -> None:
+  """After a consumer's last tile: consumes the other's last "read" arrival."""
+  plgpu.barrier_wait(bars[3] if wg == 0 else bars[4])
+
+
+def seesaw_pv(acc, slots, *, k_lat, slot, wg, p_smem, p_scratch, p=None, p_cols=None):
+  """O[:, warpgroup wg's 256 channels] += P V over 32 of a tile's slots.
+
+  P is `[64, 32]` bf16: `p` in registers, or `p_smem[:, p_cols]`. V is
+  `k_lat[slot, wg, slots]`. Compiled (`p_scratch` None), the accumulator is
+  seeded with `acc`; the interpreter can neither seed one (the sum is
+  explicit) nor take a register operand (`p` goes through `p_scratch[wg]`).
+  Refs are sliced inside the wgmma bodies: a slice closed over from outside
+  does not lower.
+  """
+  if p_scratch is None:
+    def body(o_acc_ref):
+      a = p if p_cols is None else p_smem.at[:, p_cols]
+      plgpu.wgmma(o_acc_ref, a, k_lat.at[slot, wg, slots])
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+  if p_cols is None:
+    p_scratch[wg] = p
+    plgpu.commit_smem()
+
+  def pv_fresh(o_acc_ref):
+    a = p_scratch.at[wg] if p_cols is None else p_smem.at[:, p_cols]
+    plgpu.wgmma(o_acc_ref, a, k_lat.at[slot, wg, slots])
+    return o_acc_ref[...]
+
+  return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
+
+
+def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
+  """One 64-slot tile's softmax and PV, FlashMLA's "seesaw" over its two halves.
+
+  Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)`: `s` is `[64, 32]`
+  float32, scaled to log2 units and masked (-inf). The running maximum
+  passes from one warpgroup to the other instead of being agreed on:
+  warpgroup 0 folds its half in first (m0 = max(m, its rows)), warpgroup 1
+  then (m1 = max(m0, its rows)); each multiplies its own half's P (from
+  registers) into its 256 channels of O at once, and the other half's P when
+  it arrives through `p_smem` (warpgroup 0's rescaled by exp2(m0 - m1)), so
+  one warpgroup's softmax runs beside the other's wgmma. Returns after both
+  PVs, with the other's half of `p_smem` read (the caller then releases the
+  stage).
+
+  Args:
+    s: this warpgroup's scores.
+    carry: `(acc, m, l)`: the `[64, 256]` accumulator; m, the running
+      maximum before the tile (the same in both warpgroups); l, the sum of
+      our slots' weights, at the common scale.
+    pv: `seesaw_pv` bound to the tile's stage.
+    xchg: `[2, 64]` float32 SMEM: the maxima handed on.
+    p_smem: `[64, 64]` bf16 SMEM: each warpgroup's P half, for the other.
+    bars: `seesaw_barriers()`.
+    clean: None, or a callable run once both warpgroups' QKs of the tile
+      are done and before any PV reads the tile (it may rewrite value rows).
+
+  Returns:
+    `(acc, m1, l)`.
+  """
+  m0_bar, p0_bar, p1_bar, p0_free, p1_free = bars
+  acc, m_i, l_i = carry
+  own = pl.ds(wg * SLOT_HALF, SLOT_HALF)
+  other = pl.ds((1 - wg) * SLOT_HALF, SLOT_HALF)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  rows = lambda k: plgpu.load(xchg.at[k], layout=row_layout, optimized=False)
+  bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+  if wg == 0:
+    m0 = jnp.maximum(m_i, s.max(axis=1))
+    scale0 = jnp.exp2(m_i - m0)
+    p = jnp.exp2(s - bcast(m0, s.shape))
+    l_i = l_i * scale0 + p.sum(axis=1)
+    xchg[0] = m0
+    plgpu.barrier_arrive(m0_bar)  # our QK is done, m0 is out
+    acc = acc * bcast(scale0, acc.shape)
+    p16 = p.astype(jnp.bfloat16)
+    if clean is None:
+      acc = pv(acc, own, p=p16)  # beside warpgroup 1's softmax
+    plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs are done
+    m1 = rows(1)
+    scale1 = jnp.exp2(m0 - m1)
+    if clean is not None:
+      clean()
+      acc = pv(acc, own, p=p16)
+    # Our P at warpgroup 1's scale, for its channels.
+    p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
+    plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
+    p_smem[:, own] = p_scaled
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p0_bar)
+    acc = acc * bcast(scale1, acc.shape)
+    l_i = l_i * scale1
+    acc = pv(acc, other, p_cols=other)
+    plgpu.barrier_arrive(p1_free)  # we are done with warpgroup 1's P
+  else:
+    plgpu.barrier_wait(m0_bar)
+    m0 = rows(0)
+    m1 = jnp.maximum(m0, s.max(axis=1))
+    scale = jnp.exp2(m_i - m0) * jnp.exp2(m0 - m1)
+    p = jnp.exp2(s - bcast(m1, s.shape))
+    l_i = l_i * scale + p.sum(axis=1)
+    p16 = p.astype(jnp.bfloat16)
+    plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
+    p_smem[:, own] = p16
+    xchg[1] = m1
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p1_bar)
+    acc = acc * bcast(scale, acc.shape)
+    if clean is None:
+      acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale
+    plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale; its QK is done
+    if clean is not None:
+      clean()
+      acc = pv(acc, own, p=p16)
+    acc = pv(acc, other, p_cols=other)
+    plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
+  return acc, m1, l_i
 
 
 def split_outputs(batch, num_splits, heads_padded):

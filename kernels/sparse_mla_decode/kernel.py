@@ -16,10 +16,10 @@ a Pallas barrier.)
 
 Warpgroups 0 and 1 consume each tile as the dense kernel does
 (`mla_decode.kernel`): scores by slots (warpgroup w computes S_w = Q K^T for
-slots [32w, 32w + 32), 576 deep), the row maxima swapped through SMEM so both
-rescale by one running maximum, each writes its 32 columns of P (bf16) into a
-shared [64, 64] tile; values by channels (warpgroup w accumulates
-O[:, 256w:256w+256] += P V over all 64 slots).
+slots [32w, 32w + 32), 576 deep), values by channels (warpgroup w accumulates
+O[:, 256w:256w+256] over all 64 slots), the halves met in the "seesaw" order
+(`mla_decode.kernel.seesaw_tile`: warpgroup 0's maximum is handed on, each
+multiplies its own P at once and the other's when it arrives).
 
 Masking. Any slot of any tile can be a -1, so every tile is masked: each
 stage's 64 indices land in SMEM with its rows, and the consumers give an
@@ -41,6 +41,7 @@ accumulated a NaN value row, which the merge never uses).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -59,6 +60,12 @@ from jaxkv.kernels.mla_decode.kernel import (
     SLOT_HALF,
     bf16_tile,
     launch,
+    seesaw_barriers,
+    seesaw_begin,
+    seesaw_end,
+    seesaw_p_scratch,
+    seesaw_pv,
+    seesaw_tile,
     softmax_finish,
     softmax_start,
     split_outputs,
@@ -133,11 +140,13 @@ def build_kernel(
     tok0 = split * (num_tiles * TILE)
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
-               q_bar, idx_bar, free_bar, sync_bar, *extra_refs):
+               q_bar, idx_bar, free_bar, sync_bar,
+               m0_bar, p0_bar, p1_bar, p0_free, p1_free, *extra_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
       # and k_rope [stages, 64, 64] bf16: the KV ring; p_smem [64, 64] bf16: P
-      # of the tile (each consumer writes the 32 columns of its slots); xchg
-      # [2, 64] f32: each consumer's row maxima (at the end its row sums);
+      # of the tile (each consumer writes the 32 columns of its slots, for the
+      # other); xchg [2, 64] f32: the maxima each consumer hands on (at the
+      # end its row sums); m0_bar ... p1_free: `seesaw_barriers()`;
       # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
       # stage_idx [stages, 64] int32: each stage's indices (-1: masked);
       # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
@@ -150,14 +159,14 @@ def build_kernel(
       if compiled:
         landed, *rest = extra_refs
         scratch = rest[0] if rest else None
-        q_rope_smem, ready_bar = p_smem, None
+        q_rope_smem, ready_bar, p_scratch = p_smem, None, None
       else:
-        q_rope_smem, ready_bar = extra_refs
+        q_rope_smem, ready_bar, p_scratch = extra_refs
         landed = scratch = None
       wg = lax.axis_index("wg")
 
       def sync_consumers():
-        # One barrier serves every rendezvous of the two consumers: neither
+        # One barrier serves both rendezvous at the end: neither
         # can pass phase k + 1 before the other has waited on phase k.
         plgpu.barrier_arrive(sync_bar)
         plgpu.barrier_wait(sync_bar)
@@ -267,6 +276,7 @@ def build_kernel(
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         col_layout = plgpu.Layout.WGMMA.reduce(0)
         slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
+        bars = (m0_bar, p0_bar, p1_bar, p0_free, p1_free)
 
         def other_rows():
           return plgpu.load(xchg.at[1 - wg], layout=row_layout, optimized=False)
@@ -278,7 +288,6 @@ def build_kernel(
         q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
 
         def step(i, carry):
-          acc, m_i, l_i = carry
           stage = lax.rem(i, NUM_STAGES)
           if compiled:
             parity = lax.rem(i // NUM_STAGES, 2)
@@ -301,45 +310,23 @@ def build_kernel(
           s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
           valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
           s = jnp.where(valid, s * scale_log2, -jnp.inf)
-          # Both warpgroups need the tile's row maximum: swap halves.
-          m_own = s.max(axis=1)
-          xchg[wg] = m_own
-          sync_consumers()  # also: both QKs of this tile are done
-          m_new = jnp.maximum(m_i, jnp.maximum(m_own, other_rows()))
           # m starts at a finite floor below any score, so a row with no
           # valid index so far gets p = exp2(-inf - floor) = 0, never NaN.
-          alpha = jnp.exp2(m_i - m_new)
-          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-          # l_i sums our slots only; the halves are added at the end (both
-          # warpgroups rescale by the same alpha).
-          l_i = l_i * alpha + p.sum(axis=1)
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          p_smem[:, slots] = p.astype(dtype)
-          plgpu.commit_smem()
-          sync_consumers()  # both halves of P are in SMEM
-
-          if compiled:
-            def pv(o_acc_ref):
-              plgpu.wgmma(o_acc_ref, p_smem, k_lat.at[stage, wg])
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-          else:
-            # The interpreter cannot seed an accumulator: the sum is explicit.
-            def pv_fresh(o_acc_ref):
-              plgpu.wgmma(o_acc_ref, p_smem, k_lat.at[stage, wg])
-              return o_acc_ref[...]
-
-            acc = acc + pl.run_scoped(
-                pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32)
-            )
+          pv = functools.partial(
+              seesaw_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=p_smem, p_scratch=p_scratch
+          )
+          carry = seesaw_tile(wg, s, carry, pv=pv, xchg=xchg, p_smem=p_smem, bars=bars)
           plgpu.barrier_arrive(free_bar.at[stage])
-          return acc, m_new, l_i
+          return carry
 
         acc, _, l_i = softmax_start(HALF)
         m_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_FLOOR, jnp.float32), row_layout)
+        seesaw_begin(wg, bars)
         acc, m_i, l_own = lax.fori_loop(0, num_tiles, step, (acc, m_i, l_i))
-        # The other half's sum, through the exchange rows (free: the other
-        # warpgroup read our last maximum before the last P rendezvous).
+        seesaw_end(wg, bars)
+        # The other half's sum, through the exchange rows (free: each
+        # warpgroup read the maximum the other handed on before the last P
+        # half passed).
         xchg[wg] = l_own
         sync_consumers()
         l_i = l_own + other_rows()
@@ -371,6 +358,7 @@ def build_kernel(
       extra = [
           plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
           plgpu.Barrier(num_arrivals=3 * TILE + 1, num_barriers=NUM_STAGES),
+          seesaw_p_scratch(),
       ]
     pl.run_scoped(
         scoped,
@@ -385,6 +373,7 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
+        *seesaw_barriers(),
         *extra,
         collective_axes="wg",
     )
