@@ -115,6 +115,21 @@ def test_matches_reference(seq_lens, heads, splits, interpret):
       assert (np.asarray(lse[b]) == -np.inf).all()
 
 
+def test_running_maximum_handed_between_the_halves():
+  # The consumers fold a tile's two 32-slot halves into the running maximum
+  # one after the other: scores ~8x larger in one half of some tiles (the
+  # second half's in one, the first half's in another, both in a third)
+  # make the maximum jump inside a tile, in either order.
+  seq_lens = [4 * BS + 17, 3 * BS]
+  q, cache, table, lens = _problem(3, seq_lens, 64)
+  cache[table[0, 1], BS // 2:] *= 8  # row 0, tile 1: the second half
+  cache[table[0, 2], :BS // 2] *= 8  # tile 2: the first half
+  cache[table[1, 0]] *= 8  # row 1, tile 0: both
+  cache[table[1, 2], BS // 2:] *= -8
+  got = _run(q, cache, table, lens, splits=1)
+  _assert_close(got, _ref(q, cache, table, lens))
+
+
 def test_nan_poisoning_select_and_multiply():
   seq_lens = [BS, BS + 1, 0, 2 * BS - 3, 2 * BS]
   q, cache, table, lens = _problem(1, seq_lens, 16)
