@@ -302,8 +302,10 @@ def test_profiler_needs_a_compiled_kernel():
     )
 
 
-@pytest.mark.parametrize("block_size, select", [(64, True), (32, False), (128, True)])
-def test_compiled_kernels_lower_for_hopper(block_size, select):
+@pytest.mark.parametrize(
+    "block_size, select, finish_rows", [(64, True, True), (32, False, False), (128, True, False)]
+)
+def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows):
   """The compiled kernels' own paths (the RoPE query in registers, the seeded
   accumulator) exist only for the GPU, where the interpreter cannot run them:
   lowering the decode and merge kernels for CUDA here catches a broken body on a
@@ -314,6 +316,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select):
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits,
       block_size=block_size, sm_scale=SCALE, select=select, interpret=None,
+      finish_rows=finish_rows,
   )
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   args = (
@@ -327,10 +330,15 @@ def test_compiled_kernels_lower_for_hopper(block_size, select):
   combine = merge.build_merge(
       batch=batch, num_splits=splits, heads_padded=hp, dv=512,
       max_tokens=max_blocks * block_size, out_dtype=jnp.bfloat16, interpret=None,
+      finish_rows=finish_rows,
   )
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   merge_args = (i32(batch), i32(batch, splits + 1), f32(batch, splits, hp, 512), f32(batch, splits, hp))
-  jax.jit(combine).trace(*merge_args).lower(lowering_platforms=("cuda",))
+  if finish_rows:
+    merge_args += (jax.ShapeDtypeStruct((batch, hp, 512), jnp.bfloat16), f32(batch, hp))
+  merge_text = jax.jit(combine).trace(*merge_args).lower(lowering_platforms=("cuda",)).as_text()
+  # With finish_rows the merge writes into the decode kernel's output in place.
+  assert ("output_operand_aliases" in merge_text) == finish_rows
 
 
 def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
@@ -456,15 +464,19 @@ def _check_plan(seq_lens, *, splits, ctas, overhead, min_chunk, heads):
   np.testing.assert_array_equal(bounds[:, -1], nblk)
 
 
-def test_parts_spanning_rows_match_reference_and_stay_nan_safe():
+@pytest.mark.parametrize("splits", [3, 40])
+def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
   """Parts that hold the end of one row, whole rows (one empty) and the start of
-  another; a row cut mid-way into two splits; poisoned tails and null block."""
+  another; a row cut mid-way into two splits; poisoned tails and null block.
+  More rows than parts: the kernel finishes the whole rows itself, and the
+  merge (the kernel's, or XLA's past 32 splits) the others."""
   seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS]
   q, cache, table, lens = _problem(11, seq_lens, 16)
   config = MLADecodeConfig(
-      num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0
+      num_splits=splits, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0
   )
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=16, config=config, num_sms=4)
+  assert len(seq_lens) > plan.num_parts  # the kernel finishes whole rows
   segs = _segments(plan, seq_lens)
   assert max(len(s) for s in segs) >= 3  # a part runs several rows
   assert len({(r, sp) for part in segs for r, _, _, sp in part if r == 1}) == 2  # row 1 is cut
@@ -477,13 +489,53 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe():
         sm_scale=SCALE, mask_mode=mode, plan=plan, interpret=FAST,
     )
 
-  _assert_close(run(cache, "select"), clean_ref)
+  if splits == 3:  # (the poisoned runs below check the XLA merge's path too)
+    _assert_close(run(cache, "select"), clean_ref)
   sel = run(poisoned, "select")
   _assert_close(sel, clean_ref)
   out, lse = run(poisoned, "multiply")
   nan_rows = np.array([s % BS != 0 for s in seq_lens])
   np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2)), nan_rows)
   assert not np.isnan(np.asarray(lse)).any()
+
+
+def test_kernel_finishes_whole_rows_and_leaves_cut_rows_to_the_merge():
+  """A row that one segment covers whole is written by the decode kernel itself
+  (bf16 out and its LSE; no f32 partial), a cut row only as partials, an empty
+  row not at all: every output starts as NaN and is checked where it must stay
+  unwritten."""
+  from jaxkv.kernels.mla_decode import kernel
+
+  seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS]
+  q, cache, table, lens = _problem(11, seq_lens, 64)
+  config = MLADecodeConfig(num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=4)
+  segs = [seg for part in _segments(plan, seq_lens) for seg in part]
+  nblk = -(-np.asarray(seq_lens) // BS)
+  whole = [any(r == row and lo == 0 and n == nblk[row] for r, lo, n, _ in segs)
+           for row in range(len(seq_lens))]
+  # Row 1 is cut in two, row 2 is empty, the other five are whole.
+  assert whole == [True, False, False, True, True, True, True], whole
+  call = kernel.build_kernel(
+      batch=len(seq_lens), heads_padded=64, num_parts=plan.num_parts,
+      num_splits=plan.num_splits, block_size=BS, sm_scale=SCALE, select=True,
+      interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan"), finish_rows=True,
+  )
+  o, lse, out, lse_out = call(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table),
+                              jnp.asarray(lens), plan.row_start, plan.part_rows,
+                              plan.part_start, plan.row_part)
+  ref_out, ref_lse = _ref(q, cache, table, lens)
+  o, lse, out, lse_out = (np.asarray(x, np.float32) for x in (o, lse, out, lse_out))
+  for row in range(len(seq_lens)):
+    if whole[row]:
+      _assert_close((jnp.asarray(out[row], jnp.bfloat16), lse_out[row]), (ref_out[row], ref_lse[row]))
+      assert np.isnan(o[row]).all() and np.isnan(lse[row]).all()
+    else:
+      assert np.isnan(out[row]).all() and np.isnan(lse_out[row]).all()
+      live = {sp for r, _, _, sp in segs if r == row}
+      assert len(live) >= 2 if nblk[row] else not live
+      for sp in range(plan.num_splits):
+        assert np.isfinite(o[row, sp]).all() == (sp in live)
 
 
 def test_a_stale_plan_reads_nothing_outside_the_rows():
@@ -509,6 +561,8 @@ def test_a_stale_plan_reads_nothing_outside_the_rows():
 
 
 def test_merge_kernel_matches_combine_and_reads_only_live_splits():
+  """The merge reads a row's live splits only, and leaves the rows the decode
+  kernel finished itself (one split over the whole row) exactly as they were."""
   from jaxkv.kernels.mla_decode.merge import build_merge
 
   rng = np.random.default_rng(12)
@@ -524,16 +578,29 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits():
   bounds = jnp.minimum(jnp.arange(splits + 1)[None, :] + jnp.asarray([0, 0, 0, 0, 2])[:, None],
                        (live + jnp.asarray([0, 0, 0, 0, 2]))[:, None]).astype(jnp.int32)
   seq_lens = (live + jnp.asarray([0, 0, 0, 0, 2])) * BS - 5
+  # Row 1's one split covers it whole: the decode kernel wrote it (random
+  # bytes here, which must come back untouched). Row 4's one live split does
+  # not start at its first tile: merged. The rest: NaN until merged.
+  finished = np.array([False, True, False, False, False])
+  kept = rng.standard_normal((batch, heads, 512)).astype(np.float32)
+  kept_lse = rng.standard_normal((batch, heads)).astype(np.float32)
+  out0 = jnp.asarray(np.where(finished[:, None, None], kept, np.nan), jnp.bfloat16)
+  lse0 = jnp.asarray(np.where(finished[:, None], kept_lse, np.nan))
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
-                      max_tokens=10 * BS, out_dtype=jnp.bfloat16, interpret=RACES)
-  out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad)
+                      max_tokens=10 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
+                      finish_rows=True)
+  out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16
-  out32 = np.asarray(out, np.float32)
-  err = np.linalg.norm(out32 - np.asarray(want)) / np.linalg.norm(np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(out[1]).view(np.uint16), np.asarray(out0[1]).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(lse_out[1]), kept_lse[1])
+  rest = ~finished
+  out32 = np.asarray(out, np.float32)[rest]
+  want = np.asarray(want)[rest]
+  err = np.linalg.norm(out32 - want) / np.linalg.norm(want)
   assert err < 5e-3, err
-  np.testing.assert_allclose(np.asarray(lse_out), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
-  assert (out32[2] == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
+  np.testing.assert_allclose(np.asarray(lse_out)[rest], np.asarray(want_lse)[rest], rtol=1e-5, atol=1e-5)
+  assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
 
 
 def test_all_rows_empty():

@@ -31,10 +31,14 @@ A and B under the same transforms and P's halves are 32 wide. KV bytes are
 read once per head group. Only the last block of a segment can be partial:
 it is peeled out of the loop and alone pays for masking.
 
-Each segment's partial result is stored straight from registers to GMEM
-(float32, normalised, with its natural-log LSE); the wrapper merges a row's
-splits. Splits that no segment produced are never written: the plan's
-bounds say which exist.
+Each segment's result is stored straight from registers to GMEM: its
+partial result (float32, normalised, with its natural-log LSE), which the
+merge combines with the row's other splits into the output. Where the plan's
+parts are longer than its rows (`finish_rows`), a segment that covers its
+whole row (the row's only split) is the row's result instead: it goes to the
+output in bf16 with its LSE, and the merge does not touch it.
+Splits that no segment produced are never written: the plan's bounds say
+which exist.
 """
 
 from __future__ import annotations
@@ -90,12 +94,14 @@ def build_kernel(
     sm_scale: float,
     select: bool,
     interpret,
+    finish_rows: bool = False,
     profile_dir: str | None = None,
 ):
   """Builds the kernel call.
 
   Returns a function `(q, cache, block_table, seq_lens, row_start, part_rows,
-  part_start, row_part) -> (o, lse)` with q `[batch, heads_padded, 576]` bf16, cache
+  part_start, row_part) -> (o, lse)`, and with `finish_rows` `-> (o, lse,
+  out, lse_out)`, with q `[batch, heads_padded, 576]` bf16, cache
   `[num_blocks, block_size, 576]` bf16, block_table `[batch, max_blocks]`
   int32, seq_lens `[batch]` int32 (clipped here to the table), row_start
   `[batch + 1]` int32 (each row's first tile in the step's concatenation of
@@ -104,7 +110,14 @@ def build_kernel(
   concatenation), row_part `[batch]` int32 (the part holding each row's first
   tile: a segment's split is its part's offset from there), o `[batch, num_splits,
   heads_padded, 512]` f32 and lse `[batch, num_splits, heads_padded]` f32
-  (written only where a segment exists).
+  (written where a segment exists; with `finish_rows`, only for the splits
+  of rows cut into several), out `[batch, heads_padded, 512]` bf16 and lse_out
+  `[batch, heads_padded]` f32 (written only for rows that one segment covers
+  whole: split 0, from the row's first tile to its last; the merge writes
+  every other row, `merge.kernel_wrote_row`). `finish_rows` pays where parts
+  are longer than rows (128 heads at 4K-8K: half the rows whole, whose f32
+  round trip and merge it saves); where few rows are whole, the branch in the
+  epilogue cost 1-4% on the H200 (kernels/mla_decode/NOTES.md).
 
   The kernel walks a row in tiles of 64 slots: a block of 64 is one tile, a
   block of 128 two (its halves), and a tile of 32-slot blocks two blocks
@@ -137,6 +150,8 @@ def build_kernel(
       row_part_ref,  # [batch] int32, GMEM
       o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM
       lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM
+      *finished,  # with finish_rows: out [batch, heads_padded, 512] bf16 and
+      # lse_out [batch, heads_padded] f32, GMEM: the rows finished here
   ):
     g = lax.axis_index("g")
     part = lax.axis_index("p")
@@ -156,13 +171,22 @@ def build_kernel(
       return jnp.clip(seq_lens_ref[row], 0, max_tokens)
 
     def segment(row):
-      """The row's tiles in this part: (first tile, count, split index)."""
+      """The row's tiles in this part: (first tile, count, split index, whole).
+
+      `whole`: the segment is split 0 and runs from the row's first tile to
+      its last, so it is the row's result (`merge.kernel_wrote_row` on the
+      plan's bounds agrees for every plan that `mla_decode_plan` makes).
+      None without `finish_rows`.
+      """
       rs = row_start_ref[row]
       ntiles = (seq_len(row) + TILE - 1) // TILE
       lo = jnp.clip(beg - rs, 0, ntiles)
       hi = jnp.clip(end - rs, lo, ntiles)
       split = jnp.clip(part - row_part_ref[row], 0, num_splits - 1)
-      return lo, hi - lo, split
+      whole = None
+      if finish_rows:
+        whole = (part == row_part_ref[row]) & (lo == 0) & (hi == ntiles)
+      return lo, hi - lo, split, whole
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg,
                q_bar, kv_bar, free_bar, sync_bar, q_free_bar,
@@ -220,7 +244,7 @@ def build_kernel(
 
         def produce(row, carry):
           steps, segs = carry
-          lo, n, _ = segment(row)
+          lo, n, _, _ = segment(row)
 
           @pl.when(n > 0)
           def _():
@@ -341,7 +365,7 @@ def build_kernel(
         other_rows = lambda: rows(1 - wg)
 
         def consume(row, steps):
-          lo, n, split = segment(row)
+          lo, n, split, whole = segment(row)
 
           @pl.when(n > 0)
           def _():
@@ -367,11 +391,11 @@ def build_kernel(
             )
             acc, m_i, l_own = step(n - 1, carry, last=True)
             with jax.named_scope("epilogue"):
-              finish(row, split, acc, m_i, l_own)
+              finish(row, split, whole, acc, m_i, l_own)
 
           return steps + n
 
-        def finish(row, split, acc, m_i, l_own):
+        def finish(row, split, whole, acc, m_i, l_own):
           # The other half's sum, through the exchange rows (free: each
           # warpgroup read the maximum the other handed on before the last
           # P half passed). The second rendezvous keeps the next segment's
@@ -381,9 +405,26 @@ def build_kernel(
           l_i = l_own + other_rows()
           sync_consumers()
           o, lse = softmax_finish(acc, m_i, l_i)
-          o_ref[row, split, heads, pl.ds(wg * HALF, HALF)] = o
-          if wg == 0:
-            lse_ref[row, split, heads] = lse
+          cols = pl.ds(wg * HALF, HALF)
+
+          def partial():
+            o_ref[row, split, heads, cols] = o
+            if wg == 0:
+              lse_ref[row, split, heads] = lse
+
+          if whole is None:
+            partial()
+            return
+
+          @pl.when(whole)
+          def _():
+            # The row's result: no f32 partial, no merge.
+            out_ref, lse_out_ref = finished
+            out_ref[row, heads, cols] = o.astype(dtype)
+            if wg == 0:
+              lse_out_ref[row, heads] = lse
+
+          pl.when(~whole)(partial)
 
         seesaw_begin(wg, bars)
         lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
@@ -420,7 +461,11 @@ def build_kernel(
       mla_decode_kernel,
       grid=(num_parts, heads_padded // HEAD_TILE),
       grid_names=("p", "g"),
-      out_type=split_outputs(batch, num_splits, heads_padded),
+      out_type=(
+          *split_outputs(batch, num_splits, heads_padded),
+          *([jax.ShapeDtypeStruct((batch, heads_padded, LATENT), dtype),
+             jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32)] if finish_rows else []),
+      ),
       kernel_name="jaxkv_mla_decode",
       interpret=interpret,
       profile_dir=profile_dir,

@@ -7,6 +7,11 @@ the live ones. Here one CTA per (row, head group, 128 value channels) loops
 over the row's live splits only: each split's [64, 128] float32 tile and its
 LSE come in by TMA (the next one in flight while the current one is merged),
 and the merged tile is stored in the output dtype straight from registers.
+
+With `finish_rows` (the decode kernel's), the merge writes into the decode
+kernel's output in place (a Pallas state discharge aliases it): rows the
+decode kernel finished itself (one split covering the whole row,
+`kernel_wrote_row`) are neither read nor written.
 """
 
 from __future__ import annotations
@@ -28,32 +33,54 @@ COLS = 128  # value channels per CTA
 MAX_SPLITS = 32
 
 
+def kernel_wrote_row(ntiles, first, second):
+  """Whether the decode kernel wrote a row's result itself: the row has tiles
+  and its split 0 covers all of them (`first`, `second`: the plan's bounds 0
+  and 1 clipped to `[0, ntiles]`). The decode kernel's test (its segment is
+  split 0 and runs from tile 0 to the last) gives the same answer on every
+  plan that `mla_decode_plan` makes, for these lengths or others."""
+  return (ntiles > 0) & (first == 0) & (second == ntiles)
+
+
 def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
-    out_dtype, interpret,
+    out_dtype, interpret, finish_rows: bool = False,
 ):
-  """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`.
+  """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
+  `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
 
   seq_lens `[batch]` int32 (clipped here to `[0, max_tokens]`) and bounds
   `[batch, num_splits + 1]` int32 (the plan's, clipped here to the row's
   64-slot tiles) give each row's live splits: the non-empty ones, which are
   its first ones. o `[batch, num_splits, heads_padded, dv]` f32 and lse `[batch,
-  num_splits, heads_padded]` f32 are read only where live; out `[batch,
-  heads_padded, dv]` in out_dtype (0 for a row with no live split) and
-  lse_out `[batch, heads_padded]` f32 (-inf there).
+  num_splits, heads_padded]` f32 are read only where live. out `[batch,
+  heads_padded, dv]` in out_dtype and lse_out `[batch, heads_padded]` f32: each
+  row's merge (0 and -inf for a row with no live split); with `finish_rows`
+  they are the decode kernel's, updated in place, and the rows it wrote
+  (`kernel_wrote_row`) come back as they were.
   """
   assert dv % COLS == 0 and heads_padded % HEAD_TILE == 0
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
     b = lax.axis_index("b")
-    g = lax.axis_index("g")
-    c = lax.axis_index("c")
-    heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
-    cols = pl.ds(c * COLS, COLS)
     ntiles = (jnp.clip(seq_ref[b], 0, max_tokens) + TILE - 1) // TILE
 
     def bound(j):
       return jnp.clip(bounds_ref[b, j], 0, ntiles)
+
+    if not finish_rows:
+      merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar)
+      return
+
+    @pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))
+    def _():
+      merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar)
+
+  def merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
+    g = lax.axis_index("g")
+    c = lax.axis_index("c")
+    heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
+    cols = pl.ds(c * COLS, COLS)
 
     n = lax.fori_loop(
         0, num_splits, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
@@ -95,12 +122,13 @@ def build_merge(
     def _():
       lse_out_ref[b, heads] = lse
 
-  return plgpu.kernel(
+  outputs = (
+      jax.ShapeDtypeStruct((batch, heads_padded, dv), out_dtype),
+      jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32),
+  )
+  call = plgpu.kernel(
       merge_kernel,
-      out_type=(
-          jax.ShapeDtypeStruct((batch, heads_padded, dv), out_dtype),
-          jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32),
-      ),
+      out_type=() if finish_rows else outputs,
       grid=(batch, heads_padded // HEAD_TILE, dv // COLS),
       grid_names=("b", "g", "c"),
       scratch_types=[
@@ -112,3 +140,14 @@ def build_merge(
       kernel_name="jaxkv_mla_decode_merge",
       interpret=interpret,
   )
+
+  if not finish_rows:
+    return call
+
+  def merge(seq_lens, bounds, o, lse, out, lse_out):
+    def in_place(refs):
+      call(seq_lens, bounds, o, lse, *refs)
+
+    return pl.run_state(in_place)((out, lse_out))
+
+  return merge

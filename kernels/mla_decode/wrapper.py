@@ -143,29 +143,42 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
   # The kernels clip every plan value and length themselves (a stale or
   # foreign plan cannot walk past a row's blocks): no XLA op per call.
+  # More rows than parts: parts outgrow rows and many rows are one segment,
+  # which the kernel then finishes itself (out / lse_out; the splits of the
+  # other rows come back in o / lse). Otherwise few rows would be whole, and
+  # the epilogue's branch costs more than it saves.
+  finish_rows = batch > plan.num_parts
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
-      select=select, interpret=interpret,
+      select=select, interpret=interpret, finish_rows=finish_rows,
   )
-  o, lse = call(q, cache, block_table, seq_lens, plan.row_start, plan.part_rows,
-              plan.part_start, plan.row_part)
+  o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
+                           plan.part_rows, plan.part_start, plan.row_part)
   if plan.num_splits > _merge.MAX_SPLITS:
     # Few rows, many splits (most of them live): the merge kernel's one CTA
     # per row would walk them one by one; XLA's fused merge reads them all
-    # at once. Splits no segment produced were never written: weight 0.
+    # at once. Splits no segment produced were never written (nor those of
+    # the rows the kernel finished): weight 0.
     tile = _kernel.TILE
     ntiles = (jnp.clip(seq_lens, 0, max_blocks * block_size) + tile - 1) // tile
     bounds = jnp.clip(plan.bounds, 0, ntiles[:, None])
     is_live = bounds[:, 1:] > bounds[:, :-1]
-    out, lse = combine_splits(o, jnp.where(is_live[..., None], lse, -jnp.inf))
-    return out[:, :heads].astype(q.dtype), lse[:, :heads]
+    if finish_rows:
+      done = _merge.kernel_wrote_row(ntiles, bounds[:, 0], bounds[:, 1])
+      is_live &= ~done[:, None]
+    out, lse_out = combine_splits(o, jnp.where(is_live[..., None], lse, -jnp.inf))
+    out = out.astype(q.dtype)
+    if finish_rows:
+      out = jnp.where(done[:, None, None], finished[0], out)
+      lse_out = jnp.where(done[:, None], finished[1], lse_out)
+    return out[:, :heads], lse_out[:, :heads]
   # A row's live splits are its first ones; the merge reads those alone,
-  # never the unwritten rest.
+  # never the unwritten rest, and writes the rows the kernel did not.
   merge = _merge.build_merge(
       batch=batch, num_splits=plan.num_splits, heads_padded=heads_padded,
       dv=o.shape[-1], max_tokens=max_blocks * block_size,
-      out_dtype=q.dtype, interpret=interpret,
+      out_dtype=q.dtype, interpret=interpret, finish_rows=finish_rows,
   )
-  out, lse = merge(seq_lens, plan.bounds, o, lse)
-  return out[:, :heads], lse[:, :heads]
+  out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
+  return out[:, :heads], lse_out[:, :heads]
