@@ -560,16 +560,19 @@ def test_a_stale_plan_reads_nothing_outside_the_rows():
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
 
 
-def test_merge_kernel_matches_combine_and_reads_only_live_splits():
-  """The merge reads a row's live splits only, and leaves the rows the decode
-  kernel finished itself (one split over the whole row) exactly as they were."""
-  from jaxkv.kernels.mla_decode.merge import build_merge
+@pytest.mark.parametrize("splits", [3, 9])
+def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits):
+  """The merge reads a row's live splits only (more of them than its ring
+  holds with 9), and leaves the rows the decode kernel finished itself (one
+  split over the whole row) exactly as they were."""
+  from jaxkv.kernels.mla_decode.merge import STAGES, build_merge
 
   rng = np.random.default_rng(12)
-  batch, splits, heads = 5, 3, 128
+  batch, heads = 5, 128
   o = jnp.asarray(rng.standard_normal((batch, splits, heads, 512)), jnp.float32)
   lse = jnp.asarray(rng.standard_normal((batch, splits, heads)) * 3, jnp.float32)
-  live = jnp.asarray([3, 1, 0, 2, 1], jnp.int32)
+  live = jnp.asarray([splits, 1, 0, 2, 1], jnp.int32)
+  assert (splits > STAGES) == (splits == 9)
   dead = np.arange(splits)[None, :] >= np.asarray(live)[:, None]
   # Dead slots are never written by the decode kernel: NaN must not leak.
   o_bad = jnp.where(jnp.asarray(dead)[..., None, None], jnp.nan, o)

@@ -3,10 +3,12 @@
 `combine_splits` (plain jnp) is its specification. XLA's fusion of it reads
 every split slot of every row, written or not; with the balanced plan most
 rows use fewer slots than the plan reserves, and those reads cost as much as
-the live ones. Here one CTA per (row, head group, 128 value channels) loops
-over the row's live splits only: each split's [64, 128] float32 tile and its
-LSE come in by TMA (the next one in flight while the current one is merged),
-and the merged tile is stored in the output dtype straight from registers.
+the live ones. Here one CTA per (row, head group, 64 value channels) loops
+over the row's live splits only: each split's [64, 64] float32 tile and its
+LSE come in by TMA through a ring of `STAGES` buffers (that many splits in
+flight, so a row of many splits streams instead of waiting out one load per
+split), and the merged tile is stored in the output dtype straight from
+registers.
 
 With `finish_rows` (the decode kernel's), the merge writes into the decode
 kernel's output in place (a Pallas state discharge aliases it): rows the
@@ -24,12 +26,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel import _LOG2E, HEAD_TILE, TILE, softmax_finish, softmax_start
 
-COLS = 128  # value channels per CTA
+COLS = 64  # value channels per CTA
+STAGES = 4  # splits in flight per CTA (16 KB each)
 # Beyond this many splits per row the wrapper merges with XLA instead: the
 # kernel walks a row's splits one after another (measured on the H200, end
-# to end: b1 h128 128K with 67 splits 0.141 ms vs 0.103 with XLA's merge,
-# b4 h64 128K with 52 splits 0.226 vs 0.179; b8 h64 32K with 27 splits 0.133
-# with this kernel).
+# to end, when it had one split in flight: b1 h128 128K with 67 splits 0.141
+# ms vs 0.103 with XLA's merge, b4 h64 128K with 52 splits 0.226 vs 0.179;
+# b8 h64 32K with 27 splits 0.133 with this kernel).
 MAX_SPLITS = 32
 
 
@@ -89,21 +92,23 @@ def build_merge(
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(j):
-      slot = lax.rem(j, 2)
+      slot = lax.rem(j, STAGES)
       plgpu.copy_gmem_to_smem(o_ref.at[b, j, heads, cols], o_buf.at[slot], bar.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[b, j, heads], lse_buf.at[slot], bar.at[slot])
 
-    pl.when(n > 0)(lambda: fetch(0))
+    for k in range(STAGES):
+      pl.when(k < n)(lambda k=k: fetch(k))
 
     def step(j, carry):
       acc, m, l = carry
-      slot = lax.rem(j, 2)
+      slot = lax.rem(j, STAGES)
       plgpu.barrier_wait(bar.at[slot])
       lse_j = plgpu.load(lse_buf.at[slot], layout=row_layout, optimized=False) * _LOG2E
       o_j = plgpu.load(o_buf.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
-      # Every thread has read this slot before it is refilled (two steps on).
+      # The slot is refilled at once: every thread's reads are ordered before
+      # the copy (Pallas's warpgroup barrier ahead of a TMA issue).
       plgpu.commit_smem()
-      pl.when(j + 1 < n)(lambda: fetch(j + 1))
+      pl.when(j + STAGES < n)(lambda: fetch(j + STAGES))
       m_new = jnp.maximum(m, lse_j)
       alpha = jnp.exp2(m - m_new)
       w = jnp.exp2(lse_j - m_new)
@@ -132,9 +137,9 @@ def build_merge(
       grid=(batch, heads_padded // HEAD_TILE, dv // COLS),
       grid_names=("b", "g", "c"),
       scratch_types=[
-          plgpu.SMEM((2, HEAD_TILE, COLS), jnp.float32),
-          plgpu.SMEM((2, HEAD_TILE), jnp.float32),
-          plgpu.Barrier(num_arrivals=2, num_barriers=2),
+          plgpu.SMEM((STAGES, HEAD_TILE, COLS), jnp.float32),
+          plgpu.SMEM((STAGES, HEAD_TILE), jnp.float32),
+          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
       ],
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="jaxkv_mla_decode_merge",
