@@ -71,13 +71,11 @@ def build_merge(
     def bound(j):
       return jnp.clip(bounds_ref[b, j], 0, ntiles)
 
-    if not finish_rows:
-      merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar)
-      return
-
-    @pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))
-    def _():
-      merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar)
+    run = lambda: merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar)
+    if finish_rows:
+      pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))(run)
+    else:
+      run()
 
   def merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
     g = lax.axis_index("g")
