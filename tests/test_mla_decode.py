@@ -565,14 +565,14 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits):
   """The merge reads a row's live splits only (more of them than its ring
   holds with 9), and leaves the rows the decode kernel finished itself (one
   split over the whole row) exactly as they were."""
-  from jaxkv.kernels.mla_decode.merge import STAGES, build_merge
+  from jaxkv.kernels.mla_decode.merge import build_merge, merge_tiling
 
   rng = np.random.default_rng(12)
   batch, heads = 5, 128
   o = jnp.asarray(rng.standard_normal((batch, splits, heads, 512)), jnp.float32)
   lse = jnp.asarray(rng.standard_normal((batch, splits, heads)) * 3, jnp.float32)
   live = jnp.asarray([splits, 1, 0, 2, 1], jnp.int32)
-  assert (splits > STAGES) == (splits == 9)
+  assert (splits > merge_tiling(splits)[1]) == (splits == 9)
   dead = np.arange(splits)[None, :] >= np.asarray(live)[:, None]
   # Dead slots are never written by the decode kernel: NaN must not leak.
   o_bad = jnp.where(jnp.asarray(dead)[..., None, None], jnp.nan, o)

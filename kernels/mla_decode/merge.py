@@ -26,14 +26,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel import _LOG2E, HEAD_TILE, TILE, softmax_finish, softmax_start
 
-COLS = 64  # value channels per CTA
-STAGES = 4  # splits in flight per CTA (16 KB each)
+# Value channels per CTA and splits in flight per CTA (16 KB each), for rows
+# of few splits; `merge_tiling` halves the channels (twice the CTAs) and
+# doubles the ring for rows of many.
+COLS = 64
+STAGES = 4
 # Beyond this many splits per row the wrapper merges with XLA instead: the
 # kernel walks a row's splits one after another (measured on the H200, end
 # to end, when it had one split in flight: b1 h128 128K with 67 splits 0.141
 # ms vs 0.103 with XLA's merge, b4 h64 128K with 52 splits 0.226 vs 0.179;
 # b8 h64 32K with 27 splits 0.133 with this kernel).
 MAX_SPLITS = 32
+
+
+def merge_tiling(num_splits: int) -> tuple[int, int]:
+  """(value channels per CTA, splits in flight per CTA) for rows of up to
+  `num_splits` splits. Measured on the H200 (end to end, same run): at 8 x 64
+  x 32K (27 splits) (32, 8) took 0.0998 ms against 0.1025 with (64, 4); at
+  batch 128 (3 splits) a row's splits fit a ring of 4 at once."""
+  return (COLS, STAGES) if num_splits <= 8 else (COLS // 2, 2 * STAGES)
 
 
 def kernel_wrote_row(ntiles, first, second):
@@ -47,7 +58,8 @@ def kernel_wrote_row(ntiles, first, second):
 
 def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
-    out_dtype, interpret, finish_rows: bool = False,
+    out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
+    stages: int | None = None,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -60,9 +72,12 @@ def build_merge(
   heads_padded, dv]` in out_dtype and lse_out `[batch, heads_padded]` f32: each
   row's merge (0 and -inf for a row with no live split); with `finish_rows`
   they are the decode kernel's, updated in place, and the rows it wrote
-  (`kernel_wrote_row`) come back as they were.
+  (`kernel_wrote_row`) come back as they were. cols, stages: the tiling
+  (`merge_tiling(num_splits)` when None).
   """
-  assert dv % COLS == 0 and heads_padded % HEAD_TILE == 0
+  if cols is None or stages is None:
+    cols, stages = merge_tiling(num_splits)
+  assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
     b = lax.axis_index("b")
@@ -81,7 +96,7 @@ def build_merge(
     g = lax.axis_index("g")
     c = lax.axis_index("c")
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
-    cols = pl.ds(c * COLS, COLS)
+    chans = pl.ds(c * cols, cols)
 
     n = lax.fori_loop(
         0, num_splits, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
@@ -90,23 +105,23 @@ def build_merge(
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(j):
-      slot = lax.rem(j, STAGES)
-      plgpu.copy_gmem_to_smem(o_ref.at[b, j, heads, cols], o_buf.at[slot], bar.at[slot])
+      slot = lax.rem(j, stages)
+      plgpu.copy_gmem_to_smem(o_ref.at[b, j, heads, chans], o_buf.at[slot], bar.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[b, j, heads], lse_buf.at[slot], bar.at[slot])
 
-    for k in range(STAGES):
+    for k in range(stages):
       pl.when(k < n)(lambda k=k: fetch(k))
 
     def step(j, carry):
       acc, m, l = carry
-      slot = lax.rem(j, STAGES)
+      slot = lax.rem(j, stages)
       plgpu.barrier_wait(bar.at[slot])
       lse_j = plgpu.load(lse_buf.at[slot], layout=row_layout, optimized=False) * _LOG2E
       o_j = plgpu.load(o_buf.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
       # The slot is refilled at once: every thread's reads are ordered before
       # the copy (Pallas's warpgroup barrier ahead of a TMA issue).
       plgpu.commit_smem()
-      pl.when(j + STAGES < n)(lambda: fetch(j + STAGES))
+      pl.when(j + stages < n)(lambda: fetch(j + stages))
       m_new = jnp.maximum(m, lse_j)
       alpha = jnp.exp2(m - m_new)
       w = jnp.exp2(lse_j - m_new)
@@ -117,9 +132,9 @@ def build_merge(
 
     # A live split has a finite LSE (it read at least one slot), so the
     # first one sets m finite and alpha never sees -inf - -inf.
-    acc, m, l = lax.fori_loop(0, n, step, softmax_start(COLS))
+    acc, m, l = lax.fori_loop(0, n, step, softmax_start(cols))
     o, lse = softmax_finish(acc, m, l)
-    out_ref[b, heads, cols] = o.astype(out_dtype)
+    out_ref[b, heads, chans] = o.astype(out_dtype)
 
     @pl.when(c == 0)
     def _():
@@ -132,12 +147,12 @@ def build_merge(
   call = plgpu.kernel(
       merge_kernel,
       out_type=() if finish_rows else outputs,
-      grid=(batch, heads_padded // HEAD_TILE, dv // COLS),
+      grid=(batch, heads_padded // HEAD_TILE, dv // cols),
       grid_names=("b", "g", "c"),
       scratch_types=[
-          plgpu.SMEM((STAGES, HEAD_TILE, COLS), jnp.float32),
-          plgpu.SMEM((STAGES, HEAD_TILE), jnp.float32),
-          plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+          plgpu.SMEM((stages, HEAD_TILE, cols), jnp.float32),
+          plgpu.SMEM((stages, HEAD_TILE), jnp.float32),
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       ],
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="jaxkv_mla_decode_merge",
