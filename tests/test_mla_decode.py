@@ -94,7 +94,7 @@ def _assert_close(got, want):
         ([1, BS - 1, BS, BS + 1, 0, 3 * BS - 7], 16, 1, RACES),
         ([5 * BS + 3, 0, 2 * BS], 64, 3, FAST),
         ([5 * BS - 1, BS + 1], 128, 2, FAST),
-        # More splits than the merge kernel takes: XLA merges.
+        # More splits than the merge kernel takes in one pass: two passes.
         ([9 * BS + 3, 0, 2 * BS], 64, 40, FAST),
     ],
 )
@@ -469,7 +469,7 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
   """Parts that hold the end of one row, whole rows (one empty) and the start of
   another; a row cut mid-way into two splits; poisoned tails and null block.
   More rows than parts: the kernel finishes the whole rows itself, and the
-  merge (the kernel's, or XLA's past 32 splits) the others."""
+  merge (in two passes past 32 splits) the others."""
   seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS]
   q, cache, table, lens = _problem(11, seq_lens, 16)
   config = MLADecodeConfig(
@@ -489,7 +489,7 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
         sm_scale=SCALE, mask_mode=mode, plan=plan, interpret=FAST,
     )
 
-  if splits == 3:  # (the poisoned runs below check the XLA merge's path too)
+  if splits == 3:  # (the poisoned runs below check the two-pass merge too)
     _assert_close(run(cache, "select"), clean_ref)
   sel = run(poisoned, "select")
   _assert_close(sel, clean_ref)
@@ -604,6 +604,40 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits):
   assert err < 5e-3, err
   np.testing.assert_allclose(np.asarray(lse_out)[rest], np.asarray(want_lse)[rest], rtol=1e-5, atol=1e-5)
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
+
+
+def test_merge_in_two_passes_matches_combine():
+  """Chunks of a row's live splits first (split 0 alone, then 3 at a time),
+  then the chunks' results: the same merge as one pass, NaN in the dead splits
+  never read; a row whose live splits start past its first tile included."""
+  from jaxkv.kernels.mla_decode.merge import build_merge, chunk_edges
+
+  rng = np.random.default_rng(13)
+  batch, splits, heads, chunk = 3, 8, 64, 3
+  o = jnp.asarray(rng.standard_normal((batch, splits, heads, 512)), jnp.float32)
+  lse = jnp.asarray(rng.standard_normal((batch, splits, heads)) * 3, jnp.float32)
+  live = np.array([8, 5, 0])
+  start = np.array([0, 2, 0])
+  dead = np.arange(splits)[None, :] >= live[:, None]
+  o_bad = jnp.where(jnp.asarray(dead)[..., None, None], jnp.nan, o)
+  lse_bad = jnp.where(jnp.asarray(dead)[..., None], jnp.nan, lse)
+  bounds = jnp.asarray(np.minimum(np.arange(splits + 1)[None, :] + start[:, None],
+                                  (live + start)[:, None]), jnp.int32)
+  seq_lens = jnp.asarray((live + start) * BS - 7, jnp.int32)
+  common = dict(batch=batch, heads_padded=heads, dv=512, max_tokens=12 * BS, interpret=RACES)
+  first = build_merge(num_splits=splits, out_dtype=jnp.float32, chunk=chunk, cols=32, stages=chunk,
+                      **common)
+  o1, lse1 = first(seq_lens, bounds, o_bad, lse_bad)
+  edges = chunk_edges(splits, chunk)
+  np.testing.assert_array_equal(edges, [0, 1, 4, 7, 8])
+  assert o1.shape == (batch, 4, heads, 512)
+  second = build_merge(num_splits=4, out_dtype=jnp.bfloat16, **common)
+  out, lse_out = second(seq_lens, bounds[:, edges], o1, lse1)
+  want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
+  out32, want = np.asarray(out, np.float32), np.asarray(want)
+  assert np.linalg.norm(out32 - want) / np.linalg.norm(want) < 5e-3
+  np.testing.assert_allclose(np.asarray(lse_out), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+  assert (out32[2] == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
 
 
 def test_all_rows_empty():

@@ -10,6 +10,10 @@ flight, so a row of many splits streams instead of waiting out one load per
 split), and the merged tile is stored in the output dtype straight from
 registers.
 
+Rows of more than `MAX_SPLITS` splits take two passes: the first merges
+chunks of a row's splits (split 0 alone, then `CHUNK` at a time), a CTA per
+chunk, into float32 results; the second merges those as the row's splits.
+
 With `finish_rows` (the decode kernel's), the merge writes into the decode
 kernel's output in place (a Pallas state discharge aliases it): rows the
 decode kernel finished itself (one split covering the whole row,
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -31,12 +36,13 @@ from .kernel import _LOG2E, HEAD_TILE, TILE, softmax_finish, softmax_start
 # doubles the ring for rows of many.
 COLS = 64
 STAGES = 4
-# Beyond this many splits per row the wrapper merges with XLA instead: the
-# kernel walks a row's splits one after another (measured on the H200, end
-# to end, when it had one split in flight: b1 h128 128K with 67 splits 0.141
-# ms vs 0.103 with XLA's merge, b4 h64 128K with 52 splits 0.226 vs 0.179;
-# b8 h64 32K with 27 splits 0.133 with this kernel).
+# Beyond this many splits per row the wrapper merges in two passes: chunks of
+# CHUNK splits first (a CTA per chunk too), then the chunks' results. One
+# CTA per row walking 52-67 splits lost to XLA's fused merge on the H200 even
+# with 16 splits in flight (1 x 128 x 128K: 0.097 ms vs 0.093); two passes
+# beat it (0.091; NOTES.md, "Two passes for rows of many splits").
 MAX_SPLITS = 32
+CHUNK = 8
 
 
 def merge_tiling(num_splits: int) -> tuple[int, int]:
@@ -45,6 +51,14 @@ def merge_tiling(num_splits: int) -> tuple[int, int]:
   x 32K (27 splits) (32, 8) took 0.0998 ms against 0.1025 with (64, 4); at
   batch 128 (3 splits) a row's splits fit a ring of 4 at once."""
   return (COLS, STAGES) if num_splits <= 8 else (COLS // 2, 2 * STAGES)
+
+
+def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
+  """Where the first merge pass cuts a row's splits: split 0 alone, then
+  chunks of `chunk`. Split 0 alone keeps the second pass's first two bounds
+  equal to the plan's, so `kernel_wrote_row` answers the same on them."""
+  return np.concatenate([[0], np.minimum(1 + np.arange(-(-(num_splits - 1) // chunk) + 1) * chunk,
+                                          num_splits)]).astype(np.int32)
 
 
 def kernel_wrote_row(ntiles, first, second):
@@ -59,7 +73,7 @@ def kernel_wrote_row(ntiles, first, second):
 def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
-    stages: int | None = None,
+    stages: int | None = None, chunk: int | None = None,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -73,41 +87,59 @@ def build_merge(
   row's merge (0 and -inf for a row with no live split); with `finish_rows`
   they are the decode kernel's, updated in place, and the rows it wrote
   (`kernel_wrote_row`) come back as they were. cols, stages: the tiling
-  (`merge_tiling(num_splits)` when None).
+  (`merge_tiling` when None).
+
+  With `chunk` (the first of two passes for rows of many splits), each row's
+  splits are merged in the chunks `chunk_edges(num_splits, chunk)` gives, one
+  CTA per chunk as well: out `[batch, chunks, heads_padded, dv]` in out_dtype
+  and lse_out `[batch, chunks, heads_padded]`, the merge of each chunk's live
+  splits (0 and -inf for a chunk without one). The chunks' results are then
+  a row's splits, bounded by `bounds[:, chunk_edges(...)]`.
   """
+  span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
-    cols, stages = merge_tiling(num_splits)
+    cols, stages = merge_tiling(span)
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
+  assert chunk is None or not finish_rows
+  chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
     b = lax.axis_index("b")
     ntiles = (jnp.clip(seq_ref[b], 0, max_tokens) + TILE - 1) // TILE
+    if chunk is None:
+      first, limit, row_out, row_lse = 0, num_splits, out_ref.at[b], lse_out_ref.at[b]
+    else:  # chunk k holds splits [first, limit), as chunk_edges lays them out
+      k = lax.axis_index("k")
+      first = jnp.where(k == 0, 0, 1 + (k - 1) * chunk)
+      limit = jnp.where(k == 0, 1, jnp.minimum(first + chunk, num_splits))
+      row_out, row_lse = out_ref.at[b, k], lse_out_ref.at[b, k]
 
     def bound(j):
-      return jnp.clip(bounds_ref[b, j], 0, ntiles)
+      return jnp.clip(bounds_ref[b, jnp.minimum(first + j, limit)], 0, ntiles)
 
-    run = lambda: merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar)
+    run = lambda: merge_row(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar)
     if finish_rows:
       pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))(run)
     else:
       run()
 
-  def merge_row(b, bound, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
+  def merge_row(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar):
     g = lax.axis_index("g")
     c = lax.axis_index("c")
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     chans = pl.ds(c * cols, cols)
 
     n = lax.fori_loop(
-        0, num_splits, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
+        0, span, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
         jnp.int32(0),
     )
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(j):
       slot = lax.rem(j, stages)
-      plgpu.copy_gmem_to_smem(o_ref.at[b, j, heads, chans], o_buf.at[slot], bar.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[b, j, heads], lse_buf.at[slot], bar.at[slot])
+      src = first + j
+      plgpu.copy_gmem_to_smem(o_ref.at[b, src, heads, chans], o_buf.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, src, heads], lse_buf.at[slot], bar.at[slot])
 
     for k in range(stages):
       pl.when(k < n)(lambda k=k: fetch(k))
@@ -134,21 +166,22 @@ def build_merge(
     # first one sets m finite and alpha never sees -inf - -inf.
     acc, m, l = lax.fori_loop(0, n, step, softmax_start(cols))
     o, lse = softmax_finish(acc, m, l)
-    out_ref[b, heads, chans] = o.astype(out_dtype)
+    row_out[heads, chans] = o.astype(out_dtype)
 
     @pl.when(c == 0)
     def _():
-      lse_out_ref[b, heads] = lse
+      row_lse[heads] = lse
 
+  per_row = () if chunk is None else (chunks,)
   outputs = (
-      jax.ShapeDtypeStruct((batch, heads_padded, dv), out_dtype),
-      jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32),
+      jax.ShapeDtypeStruct((batch, *per_row, heads_padded, dv), out_dtype),
+      jax.ShapeDtypeStruct((batch, *per_row, heads_padded), jnp.float32),
   )
   call = plgpu.kernel(
       merge_kernel,
       out_type=() if finish_rows else outputs,
-      grid=(batch, heads_padded // HEAD_TILE, dv // cols),
-      grid_names=("b", "g", "c"),
+      grid=(batch, *per_row, heads_padded // HEAD_TILE, dv // cols),
+      grid_names=("b", *(("k",) if chunk else ()), "g", "c"),
       scratch_types=[
           plgpu.SMEM((stages, HEAD_TILE, cols), jnp.float32),
           plgpu.SMEM((stages, HEAD_TILE), jnp.float32),

@@ -21,7 +21,6 @@ from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 
 from . import kernel as _kernel
 from . import merge as _merge
-from .combine import combine_splits
 from .config import MLADecodeConfig
 from .plan import MLADecodePlan, mla_decode_plan
 from .reference import MASK_MODES
@@ -155,30 +154,30 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)
+  merge_args = dict(
+      batch=batch, heads_padded=heads_padded, dv=o.shape[-1],
+      max_tokens=max_blocks * block_size, interpret=interpret,
+  )
   if plan.num_splits > _merge.MAX_SPLITS:
-    # Few rows, many splits (most of them live): the merge kernel's one CTA
-    # per row would walk them one by one; XLA's fused merge reads them all
-    # at once. Splits no segment produced were never written (nor those of
-    # the rows the kernel finished): weight 0.
-    tile = _kernel.TILE
-    ntiles = (jnp.clip(seq_lens, 0, max_blocks * block_size) + tile - 1) // tile
-    bounds = jnp.clip(plan.bounds, 0, ntiles[:, None])
-    is_live = bounds[:, 1:] > bounds[:, :-1]
-    if finish_rows:
-      done = _merge.kernel_wrote_row(ntiles, bounds[:, 0], bounds[:, 1])
-      is_live &= ~done[:, None]
-    out, lse_out = combine_splits(o, jnp.where(is_live[..., None], lse, -jnp.inf))
-    out = out.astype(q.dtype)
-    if finish_rows:
-      out = jnp.where(done[:, None, None], finished[0], out)
-      lse_out = jnp.where(done[:, None], finished[1], lse_out)
+    # Rows of many splits: one CTA per row would walk them one after another;
+    # merged in chunks first (a CTA per chunk as well), then the chunks'
+    # results as the rows' splits.
+    chunk = _merge.CHUNK
+    first = _merge.build_merge(
+        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
+        cols=_merge.COLS // 2, stages=chunk, **merge_args,  # a chunk all in flight
+    )
+    o, lse = first(seq_lens, plan.bounds, o, lse)
+    edges = _merge.chunk_edges(plan.num_splits, chunk)
+    second = _merge.build_merge(
+        num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows, **merge_args
+    )
+    out, lse_out = second(seq_lens, plan.bounds[:, edges], o, lse, *finished)
     return out[:, :heads], lse_out[:, :heads]
   # A row's live splits are its first ones; the merge reads those alone,
   # never the unwritten rest, and writes the rows the kernel did not.
   merge = _merge.build_merge(
-      batch=batch, num_splits=plan.num_splits, heads_padded=heads_padded,
-      dv=o.shape[-1], max_tokens=max_blocks * block_size,
-      out_dtype=q.dtype, interpret=interpret, finish_rows=finish_rows,
+      num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return out[:, :heads], lse_out[:, :heads]
