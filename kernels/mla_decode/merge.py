@@ -57,8 +57,8 @@ def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
   """Where the first merge pass cuts a row's splits: split 0 alone, then
   chunks of `chunk`. Split 0 alone keeps the second pass's first two bounds
   equal to the plan's, so `kernel_wrote_row` answers the same on them."""
-  return np.concatenate([[0], np.minimum(1 + np.arange(-(-(num_splits - 1) // chunk) + 1) * chunk,
-                                          num_splits)]).astype(np.int32)
+  starts = np.arange(1, num_splits + chunk, chunk)  # at most one at or past the end
+  return np.concatenate([[0], np.minimum(starts, num_splits)]).astype(np.int32)
 
 
 def kernel_wrote_row(ntiles, first, second):
