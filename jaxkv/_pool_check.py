@@ -37,6 +37,8 @@ def _padded_list(xp: Any, lst: Any, count: Any, n: int, head: Any = 0,
 def invariants(spec: PoolSpec, state: PoolState, xp: Any = np) -> dict[str, Any]:
   """Every invariant of the pool as a named scalar bool (NumPy or jnp)."""
   n, bs, m = spec.num_blocks, spec.block_size, spec.max_blocks_per_seq
+  if xp is np:  # one transfer, then every packed field is a NumPy slice
+    state = jax.device_get(state)
   s = {f: (np.asarray(v) if xp is np else v) for f, v in state.fields().items()}
   heads = [s[k] for k in ("queue_head", "parked_u_head", "parked_h_head")]
   head_ok = xp.all(xp.stack([(h >= 0) & (h < n) for h in heads]))

@@ -217,7 +217,10 @@ def assert_matches(model, state):
   """Asserts that a device `PoolState` is exactly the model's state."""
   import numpy as np
 
+  import jax
+
   spec = model.spec
+  state = jax.device_get(state)  # one transfer; the fields below are NumPy slices
   s = {k: np.asarray(v) for k, v in state.fields().items()}
   nf = int(s["num_free"])
   queue = np.asarray(state.ordered_free_queue())

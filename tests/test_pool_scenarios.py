@@ -211,3 +211,44 @@ def test_decode_loop_compiles_each_transition_once():
     st, ok, slots = step(st, _i32(*finish), _i32(*arrive), _i32(*lens), jnp.asarray(tokens, jnp.int32))
   pool.assert_pool_valid(spec, st)
   assert int(jnp.sum(st.active)) > 0
+
+
+def _double_booked(st):
+  """A block still in the free queue handed to a sequence as well."""
+  f = st.ordered_free_queue()[0]
+  return st.replace(block_table=st.block_table.at[1, 1].set(f), ref_count=st.ref_count.at[f].set(1))
+
+
+@pytest.mark.parametrize(
+    "corrupt, broken",
+    [
+        # One reference too many on an owned block.
+        (lambda st: st.replace(ref_count=st.ref_count.at[1].add(1)),
+         "ref counts equal the number of table entries"),
+        (lambda st: _double_booked(st), "every real block is in exactly one place"),
+        # The null block handed to the free queue's head.
+        (lambda st: st.replace(free_queue=st.free_queue.at[st.queue_head].set(0)),
+         "the null block is nowhere"),
+        # A free block lost from the count.
+        (lambda st: st.replace(num_free=st.num_free - 1), "free count is conserved"),
+        # Padding past a sequence's blocks that is not the null block.
+        (lambda st: st.replace(block_table=st.block_table.at[0, 3].set(9)),
+         "table entries inside a sequence are real blocks, padding is 0"),
+    ],
+)
+def test_invariant_checkers_catch_a_corrupted_pool(corrupt, broken):
+  """The NumPy checker names every invariant a corrupted state breaks, the one
+  corrupted among them; the checkify check stops at the first of them. Both
+  pass on the state before it."""
+  spec = _spec()
+  st, (ok, _) = _admit(spec, pool.init_pool(spec), [0, 1], [9, 5])
+  assert ok.tolist() == [True, True]
+  check = jax.jit(checkify.checkify(lambda s: pool.check_pool(spec, s)))
+  pool.assert_pool_valid(spec, st)
+  assert check(st)[0].get() is None
+  bad = corrupt(st)
+  with pytest.raises(AssertionError, match=broken) as info:
+    pool.assert_pool_valid(spec, bad)
+  names = str(info.value).split(": ", 1)[1].split("; ")
+  err = check(bad)[0].get()
+  assert err is not None and names[0] in err
