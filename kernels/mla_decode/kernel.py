@@ -205,12 +205,6 @@ def build_kernel(
       q_rope_smem = interp_refs[0] if interp_refs else p_smem
       wg = lax.axis_index("wg")
 
-      def sync_consumers():
-        # One barrier serves both rendezvous of a segment's end: neither
-        # can pass phase k + 1 before the other has waited on phase k.
-        plgpu.barrier_arrive(sync_bar)
-        plgpu.barrier_wait(sync_bar)
-
       @pl.when(wg == 2)
       def _producer():
         plgpu.set_max_registers(40, action="decrease")
@@ -289,12 +283,8 @@ def build_kernel(
       def consumer(wg: int):
         # `wg` is static: every SMEM slice below has a compile-time offset.
         plgpu.set_max_registers(232, action="increase")
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
         own = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
         bars = (m0_bar, p0_bar, p1_bar, p0_free, p1_free)
-
-        def rows(k):
-          return plgpu.load(xchg.at[k], layout=row_layout, optimized=False)
 
         def scores(slot, q_rope):
           # S_w = Q K^T for our half of the tile's slots: [64, 32], 576 deep.
@@ -362,8 +352,6 @@ def build_kernel(
             plgpu.barrier_arrive(q_free_bar)
           return acc, m_new, l_i
 
-        other_rows = lambda: rows(1 - wg)
-
         def consume(row, steps):
           lo, n, split, whole = segment(row)
 
@@ -396,14 +384,8 @@ def build_kernel(
           return steps + n
 
         def finish(row, split, whole, acc, m_i, l_own):
-          # The other half's sum, through the exchange rows (free: each
-          # warpgroup read the maximum the other handed on before the last
-          # P half passed). The second rendezvous keeps the next segment's
-          # maxima from overwriting a sum not yet read.
-          xchg[wg] = l_own
-          sync_consumers()
-          l_i = l_own + other_rows()
-          sync_consumers()
+          # The exchange rows serve the next segment's maxima too.
+          l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
           o, lse = softmax_finish(acc, m_i, l_i)
           cols = pl.ds(wg * HALF, HALF)
 
@@ -639,6 +621,28 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
     acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
   return acc, m1, l_i
+
+
+def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
+  """After a consumer's last tile: the row sums over both halves' slots.
+
+  Each warpgroup's sum covers its own slots; they meet through the exchange
+  rows (free then: each warpgroup read the maximum the other handed on
+  before the last P half passed) at a rendezvous on `sync_bar` (two
+  arrivals; neither passes phase k + 1 before the other has waited on phase
+  k). With `reuse` (the rows carry a next segment's maxima), a second
+  rendezvous keeps those from overwriting a sum not yet read.
+  """
+  def rendezvous():
+    plgpu.barrier_arrive(sync_bar)
+    plgpu.barrier_wait(sync_bar)
+
+  xchg[wg] = l_own
+  rendezvous()
+  l = l_own + plgpu.load(xchg.at[1 - wg], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+  if reuse:
+    rendezvous()
+  return l
 
 
 def split_outputs(batch, num_splits, heads_padded):

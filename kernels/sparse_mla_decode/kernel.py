@@ -65,6 +65,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     seesaw_end,
     seesaw_p_scratch,
     seesaw_pv,
+    seesaw_row_sums,
     seesaw_tile,
     softmax_finish,
     softmax_start,
@@ -164,12 +165,6 @@ def build_kernel(
         q_rope_smem, ready_bar, p_scratch = extra_refs
         landed = scratch = None
       wg = lax.axis_index("wg")
-
-      def sync_consumers():
-        # One barrier serves both rendezvous at the end: neither
-        # can pass phase k + 1 before the other has waited on phase k.
-        plgpu.barrier_arrive(sync_bar)
-        plgpu.barrier_wait(sync_bar)
 
       @pl.when(wg == 2)
       def _producer():
@@ -278,9 +273,6 @@ def build_kernel(
         slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
         bars = (m0_bar, p0_bar, p1_bar, p0_free, p1_free)
 
-        def other_rows():
-          return plgpu.load(xchg.at[1 - wg], layout=row_layout, optimized=False)
-
         plgpu.barrier_wait(q_bar)
         # The RoPE part of the query lives in registers (16 per thread).
         # (The interpreter cannot take a register operand for a wgmma into an
@@ -324,12 +316,7 @@ def build_kernel(
         seesaw_begin(wg, bars)
         acc, m_i, l_own = lax.fori_loop(0, num_tiles, step, (acc, m_i, l_i))
         seesaw_end(wg, bars)
-        # The other half's sum, through the exchange rows (free: each
-        # warpgroup read the maximum the other handed on before the last P
-        # half passed).
-        xchg[wg] = l_own
-        sync_consumers()
-        l_i = l_own + other_rows()
+        l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=False)
         o, lse = softmax_finish(acc, m_i, l_i)
         cols = pl.ds(wg * HALF, HALF)
         if direct:
