@@ -625,8 +625,7 @@ def test_merge_in_two_passes_matches_combine():
                                   (live + start)[:, None]), jnp.int32)
   seq_lens = jnp.asarray((live + start) * BS - 7, jnp.int32)
   common = dict(batch=batch, heads_padded=heads, dv=512, max_tokens=12 * BS, interpret=RACES)
-  first = build_merge(num_splits=splits, out_dtype=jnp.float32, chunk=chunk, cols=32, stages=chunk,
-                      **common)
+  first = build_merge(num_splits=splits, out_dtype=jnp.float32, chunk=chunk, **common)
   o1, lse1 = first(seq_lens, bounds, o_bad, lse_bad)
   edges = chunk_edges(splits, chunk)
   np.testing.assert_array_equal(edges, [0, 1, 4, 7, 8])

@@ -87,7 +87,8 @@ def build_merge(
   row's merge (0 and -inf for a row with no live split); with `finish_rows`
   they are the decode kernel's, updated in place, and the rows it wrote
   (`kernel_wrote_row`) come back as they were. cols, stages: the tiling
-  (`merge_tiling` when None).
+  (when None: `merge_tiling`, and with `chunk` 32 channels and the whole
+  chunk in flight).
 
   With `chunk` (the first of two passes for rows of many splits), each row's
   splits are merged in the chunks `chunk_edges(num_splits, chunk)` gives, one
@@ -98,7 +99,7 @@ def build_merge(
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
-    cols, stages = merge_tiling(span)
+    cols, stages = merge_tiling(num_splits) if chunk is None else (COLS // 2, chunk)
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
   assert chunk is None or not finish_rows
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1

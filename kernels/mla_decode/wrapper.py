@@ -164,8 +164,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     # results as the rows' splits.
     chunk = _merge.CHUNK
     first = _merge.build_merge(
-        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
-        cols=_merge.COLS // 2, stages=chunk, **merge_args,  # a chunk all in flight
+        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **merge_args
     )
     o, lse = first(seq_lens, plan.bounds, o, lse)
     edges = _merge.chunk_edges(plan.num_splits, chunk)
