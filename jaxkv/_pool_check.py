@@ -39,7 +39,7 @@ def invariants(spec: PoolSpec, state: PoolState, xp: Any = np) -> dict[str, Any]
   n, bs, m = spec.num_blocks, spec.block_size, spec.max_blocks_per_seq
   if xp is np:  # one transfer, then every packed field is a NumPy slice
     state = jax.device_get(state)
-  s = {f: (np.asarray(v) if xp is np else v) for f, v in state.fields().items()}
+  s = state.fields()
   heads = [s[k] for k in ("queue_head", "parked_u_head", "parked_h_head")]
   head_ok = xp.all(xp.stack([(h >= 0) & (h < n) for h in heads]))
   _, queue_ok, in_queue = _padded_list(xp, s["free_queue"], s["num_free"], n, s["queue_head"])

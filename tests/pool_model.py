@@ -221,7 +221,7 @@ def assert_matches(model, state):
 
   spec = model.spec
   state = jax.device_get(state)  # one transfer; the fields below are NumPy slices
-  s = {k: np.asarray(v) for k, v in state.fields().items()}
+  s = state.fields()
   nf = int(s["num_free"])
   queue = np.asarray(state.ordered_free_queue())
   assert queue[:nf].tolist() == model.queue, (queue[:nf].tolist(), model.queue)
