@@ -341,6 +341,21 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows):
   assert ("output_operand_aliases" in merge_text) == finish_rows
 
 
+@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla_decode"])
+def test_register_split_fits_the_launch(op):
+  """`setmaxnreg` can only move registers inside the launch's allocation (168
+  per thread for three warpgroups); a split past it hangs the consumers on the
+  GPU, where the interpreter cannot notice. Both kernels' splits must fit."""
+  import importlib
+
+  k = importlib.import_module(f"jaxkv.kernels.{op}.kernel")
+  regs = (k.PRODUCER_REGS, k.CONSUMER_REGS)
+  assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
+  per_thread = 65536 // (k.NUM_THREADS * 128) // 8 * 8
+  assert per_thread == 168
+  assert k.PRODUCER_REGS + 2 * k.CONSUMER_REGS <= k.NUM_THREADS * per_thread, regs
+
+
 def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   """Where the CPU backend cannot run the three warpgroups at once, the interpreted
   kernel would wait forever: the call raises, naming the fix, before launching."""

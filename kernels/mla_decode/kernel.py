@@ -67,7 +67,9 @@ SLOT_HALF = 32  # slots of a block whose scores one consumer warpgroup computes
 NUM_STAGES = 2
 NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
 # Registers per thread of the producer and of each consumer warpgroup
-# (`setmaxnreg`; 3 x 128 threads share 64K): the producer only issues TMA
+# (`setmaxnreg`: multiples of 8 in [24, 256], moved inside the launch's 168
+# per thread for 384 threads, so 2 * CONSUMER_REGS + PRODUCER_REGS <= 3 * 168
+# or the consumers' increase waits forever). The producer only issues TMA
 # copies, and every register it gives up eases the consumers' spills (ptxas:
 # 272 -> 228 B of spill stores going from 40 / 232 to 24 / 240; 2-3% faster
 # at 128 x 64 x 4K, 128 x 128 x 4K and 8 x 64 x 32K on the H200, NOTES.md).
