@@ -83,6 +83,7 @@ PROFILE_RANGES = 168
 # Named regions of the in-kernel profile (see `build_kernel(profile_dir=)`).
 REGIONS = (
     "kv_wait", "tile", "last_tile", "query_wait", "epilogue",  # consumers
+    "row_sums", "store",  # consumers, inside "epilogue"
     "stage_wait", "issue", "query_free_wait",  # producer
 )
 
@@ -394,10 +395,12 @@ def build_kernel(
 
         def finish(row, split, whole, acc, m_i, l_own):
           # The exchange rows serve the next segment's maxima too.
-          l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
+          with jax.named_scope("row_sums"):
+            l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
           o, lse = softmax_finish(acc, m_i, l_i)
           cols = pl.ds(wg * HALF, HALF)
 
+          @jax.named_scope("store")
           def partial():
             o_ref[row, split, heads, cols] = o
             if wg == 0:
