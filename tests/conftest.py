@@ -27,9 +27,33 @@ hypothesis.settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
-def _reset_gpu_interpreter():
-  """An exception inside an interpreted kernel leaves global state behind."""
-  yield
+def interpreter_race_reports(request, monkeypatch):
+  """Fails a test whose interpreted kernels raced; resets the interpreter after it.
+
+  The Pallas GPU interpreter's race detector (`InterpretGPUParams(
+  detect_races=True)`) only prints what it finds and keeps a flag on a
+  per-kernel state object, so a racing kernel would pass its test. Every
+  such object made during the test is kept (the list is the fixture's value)
+  and any that saw a race fails the test, unless the test is marked
+  `interpreter_races` and checks them itself. An exception inside an
+  interpreted kernel also leaves global state behind: reset after each test.
+  """
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
+  states = []
+  make = gpu_callbacks.GPURaceDetectionState
+
+  def recorded(*args, **kwargs):
+    state = make(*args, **kwargs)
+    states.append(state)
+    return state
+
+  monkeypatch.setattr(gpu_callbacks, "GPURaceDetectionState", recorded)
+  yield states
   gpu_callbacks.reset_gpu_interpret_mode_state()
+  if request.node.get_closest_marker("interpreter_races") is None:
+    raced = sum(bool(s.races_found) for s in states)
+    assert not raced, (
+        f"the Pallas GPU interpreter's race detector reported races in {raced} of"
+        f" {len(states)} interpreted kernels (the details are in the captured stdout)"
+    )
