@@ -570,8 +570,12 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
     xchg: `[2, 64]` float32 SMEM: the maxima handed on.
     p_smem: `[64, 64]` bf16 SMEM: each warpgroup's P half, for the other.
     bars: `seesaw_barriers()`.
-    clean: None, or a callable run once both warpgroups' QKs of the tile
-      are done and before any PV reads the tile (it may rewrite value rows).
+    clean: None, or a callable that rewrites this warpgroup's value rows
+      (its 256 channels of the tile): run once both warpgroups' QKs, which
+      read those rows, are done and before this warpgroup's PVs, which are
+      the only other readers (warpgroup 1 cleans as soon as warpgroup 0
+      has handed on m0, and warpgroup 0 hands its P on before its own PV,
+      so neither waits for the other's clean).
 
   Returns:
     `(acc, m1, l)`.
@@ -599,13 +603,15 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
     scale1 = jnp.exp2(m0 - m1)
     if clean is not None:
       clean()
-      acc = pv(acc, own, p=p16)
     # Our P at warpgroup 1's scale, for its channels.
     p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
     plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
     p_smem[:, own] = p_scaled
     plgpu.commit_smem()
     plgpu.barrier_arrive(p0_bar)
+    if clean is not None:
+      # After the hand-off: warpgroup 1 does not wait for this PV.
+      acc = pv(acc, own, p=p16)
     acc = acc * bcast(scale1, acc.shape)
     l_i = l_i * scale1
     acc = pv(acc, other, p_cols=other)
@@ -624,12 +630,12 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
     plgpu.commit_smem()
     plgpu.barrier_arrive(p1_bar)
     acc = acc * bcast(scale, acc.shape)
-    if clean is None:
-      acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale
-    plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale; its QK is done
     if clean is not None:
+      # Warpgroup 0's QK, the other reader of our value rows, was done when
+      # it handed on m0: our rows can be cleaned without waiting for its P.
       clean()
-      acc = pv(acc, own, p=p16)
+    acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale (and clean)
+    plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
     acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
   return acc, m1, l_i
