@@ -35,8 +35,11 @@ def interpreter_race_reports(request, monkeypatch):
   per-kernel state object, so a racing kernel would pass its test. Every
   such object made during the test is kept (the list is the fixture's value)
   and any that saw a race fails the test, unless the test is marked
-  `interpreter_races` and checks them itself. An exception inside an
-  interpreted kernel also leaves global state behind: reset after each test.
+  `interpreter_races` and checks them itself. (The detector sees loads,
+  stores and copies, not the SMEM operands a `wgmma` reads: the order of a
+  wgmma against stores to its operands is checked by values, e.g. NaN
+  poisoning.) An exception inside an interpreted kernel also leaves global
+  state behind: reset after each test.
   """
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
