@@ -31,9 +31,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel import _LOG2E, HEAD_TILE, TILE, softmax_finish, softmax_start
 
-# Value channels per CTA and splits in flight per CTA (16 KB each), for rows
-# of few splits; `merge_tiling` halves the channels (twice the CTAs) and
-# doubles the ring for rows of many.
+# Value channels per CTA and at most this many splits in flight per CTA (16 KB
+# each; no more than a plan's splits per row), for rows of few splits;
+# `merge_tiling` halves the channels (twice the CTAs) and doubles the ring
+# for rows of many.
 COLS = 64
 STAGES = 4
 # Beyond this many splits per row the wrapper merges in two passes: chunks of
@@ -48,9 +49,14 @@ CHUNK = 8
 def merge_tiling(num_splits: int) -> tuple[int, int]:
   """(value channels per CTA, splits in flight per CTA) for rows of up to
   `num_splits` splits. Measured on the H200 (end to end, same run): at 8 x 64
-  x 32K (27 splits) (32, 8) took 0.0998 ms against 0.1025 with (64, 4); at
-  batch 128 (3 splits) a row's splits fit a ring of 4 at once."""
-  return (COLS, STAGES) if num_splits <= 8 else (COLS // 2, 2 * STAGES)
+  x 32K (27 splits) (32, 8) took 0.0998 ms against 0.1025 with (64, 4). At
+  batch 128 (3 splits) the ring holds a row's splits at once, and no deeper:
+  slots no row fills only keep CTAs off the SM (merge alone, same run: 12.8
+  -> 11.6 µs at 128 x 64 x 4K, 15.5 -> 14.9 at 128 x 128 x 4K with 3 slots
+  instead of 4; NOTES.md)."""
+  if num_splits <= 8:
+    return COLS, min(STAGES, num_splits)
+  return COLS // 2, 2 * STAGES
 
 
 def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
