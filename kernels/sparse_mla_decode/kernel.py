@@ -60,6 +60,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     SLOT_HALF,
     bf16_tile,
     launch,
+    query_operand,
     seesaw_barriers,
     seesaw_begin,
     seesaw_end,
@@ -294,8 +295,9 @@ def build_kernel(
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
           def qk(s_ref):
+            q = query_operand(q_lat)
             for h in range(2):
-              plgpu.wgmma(s_ref, q_lat.at[h], k_lat.at[stage, h, slots].T)
+              plgpu.wgmma(s_ref, q.at[h], k_lat.at[stage, h, slots].T)
             plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
             return s_ref[...]
 
