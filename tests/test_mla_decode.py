@@ -327,6 +327,10 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows):
   )
   text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "wgmma.mma_async" in text and "setmaxnreg" in text
+  # The QK reads the query through `kernel.query_operand`'s opaque index: without
+  # it LLVM hoists the query's wgmma descriptors into 42 registers and the tile
+  # loop spills (kernels/mla_decode/NOTES.md).
+  assert "optimization_barrier" in text
   combine = merge.build_merge(
       batch=batch, num_splits=splits, heads_padded=hp, dv=512,
       max_tokens=max_blocks * block_size, out_dtype=jnp.bfloat16, interpret=None,
