@@ -327,7 +327,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows):
   )
   text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "wgmma.mma_async" in text and "setmaxnreg" in text
-  # The QK reads the query through `kernel.query_operand`'s opaque index: without
+  # The QK reads the query through `kernel.tile_scores`' opaque index: without
   # it LLVM hoists the query's wgmma descriptors into 42 registers and the tile
   # loop spills (kernels/mla_decode/NOTES.md).
   assert "optimization_barrier" in text

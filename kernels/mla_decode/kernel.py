@@ -296,17 +296,6 @@ def build_kernel(
         own = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
         bars = (m0_bar, p0_bar, p1_bar, p0_free, p1_free)
 
-        def scores(slot, q_rope):
-          # S_w = Q K^T for our half of the tile's slots: [64, 32], 576 deep.
-          def qk(s_ref):
-            q = query_operand(q_lat)
-            for h in range(2):
-              plgpu.wgmma(s_ref, q.at[h], k_lat.at[slot, h, own].T)
-            plgpu.wgmma(s_ref, q_rope, k_rope.at[slot, own].T)
-            return s_ref[...]
-
-          return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
-
         def clean_values(slot, n_keep):
           # Zeroes the value rows from `n_keep` on in our 256 channels (all 64
           # slots; called once both QKs of the tile are done): p = 0 alone
@@ -327,7 +316,7 @@ def build_kernel(
           """One 64-slot tile: our half's scores (masked in a segment's last
           tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
-          s = scores(slot, q_rope)
+          s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block, and at block size 32 a
@@ -467,28 +456,31 @@ def build_kernel(
   )
 
 
-def opaque_zero():
-  """The int32 0, worked out anew wherever this is called.
+def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots):
+  """S = Q K^T over a KV stage's `slots` (32 of them): `[64, 32]` float32, 576 deep.
 
-  It passes through an empty asm statement with side effects, which LLVM can
-  neither fold nor move out of a loop.
+  The QK of both decode kernels. `q_lat` `[2, 64, 256]` bf16 SMEM, `q_rope`
+  `[64, 64]` bf16 (registers, or SMEM in the interpreter), `k_lat` `[stages,
+  2, 64, 256]` and `k_rope` `[stages, 64, 64]` bf16 SMEM.
+
+  The query's address is the same for every tile, so LLVM would hoist the
+  21 wgmma descriptors of its 32-column tiles out of the tile loop, where
+  they held 42 registers beside the accumulator for the whole loop and ptxas
+  spilled (232 B of spill stores at 64 heads). Read through an index that
+  passes an empty asm statement with side effects (a 0 LLVM can neither fold
+  nor hoist), the descriptors are worked out per tile in uniform registers
+  from one base, as the KV stage's are: no spills at 64 or 128 heads, and
+  dense and sparse decode 1.5-7% faster on the H200 with bit-identical
+  outputs (kernels/mla_decode/NOTES.md, "The query's wgmma descriptors").
   """
-  return lax.optimization_barrier(jnp.int32(0))
+  def qk(s_ref):
+    q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
+    for h in range(2):
+      plgpu.wgmma(s_ref, q.at[h], k_lat.at[stage, h, slots].T)
+    plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
+    return s_ref[...]
 
-
-def query_operand(q_lat):
-  """`q_lat` (`[2, 64, 256]` bf16 SMEM), as a tile's QK wgmmas should read it.
-
-  The query's address is the same for every tile, so LLVM hoists the 21
-  wgmma descriptors of its 32-column tiles out of the tile loop, where they
-  held 42 registers beside the accumulator for the whole loop and ptxas
-  spilled (232 B of spill stores at 64 heads). Indexed by `opaque_zero()`,
-  the descriptors are worked out per tile in uniform registers from one
-  base, as the KV tile's are: no spills at 64 or 128 heads, and dense and
-  sparse decode 1.5-7% faster on the H200 with bit-identical outputs
-  (kernels/mla_decode/NOTES.md, "The query's wgmma descriptors").
-  """
-  return q_lat.at[pl.ds(opaque_zero(), 2)]
+  return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
 
 
 def softmax_start(cols):

@@ -60,7 +60,6 @@ from jaxkv.kernels.mla_decode.kernel import (
     SLOT_HALF,
     bf16_tile,
     launch,
-    query_operand,
     seesaw_barriers,
     seesaw_begin,
     seesaw_end,
@@ -71,6 +70,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     softmax_finish,
     softmax_start,
     split_outputs,
+    tile_scores,
 )
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
@@ -294,14 +294,7 @@ def build_kernel(
           # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
-          def qk(s_ref):
-            q = query_operand(q_lat)
-            for h in range(2):
-              plgpu.wgmma(s_ref, q.at[h], k_lat.at[stage, h, slots].T)
-            plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
-            return s_ref[...]
-
-          s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
+          s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots)
           valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
           s = jnp.where(valid, s * scale_log2, -jnp.inf)
           # m starts at a finite floor below any score, so a row with no
