@@ -343,6 +343,13 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows):
   merge_text = jax.jit(combine).trace(*merge_args).lower(lowering_platforms=("cuda",)).as_text()
   # With finish_rows the merge writes into the decode kernel's output in place.
   assert ("output_operand_aliases" in merge_text) == finish_rows
+  # The second of two passes, reading its chunks' bounds from the plan's columns.
+  second = merge.build_merge(
+      batch=batch, num_splits=2, heads_padded=hp, dv=512, max_tokens=max_blocks * block_size,
+      out_dtype=jnp.bfloat16, interpret=None, edge_chunk=2,
+  )
+  second_args = (i32(batch), i32(batch, splits + 1), f32(batch, 2, hp, 512), f32(batch, 2, hp))
+  assert "mosaic_gpu" in jax.jit(second).trace(*second_args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("op", ["mla_decode", "sparse_mla_decode"])
@@ -651,6 +658,11 @@ def test_merge_in_two_passes_matches_combine():
   assert o1.shape == (batch, 4, heads, 512)
   second = build_merge(num_splits=4, out_dtype=jnp.bfloat16, **common)
   out, lse_out = second(seq_lens, bounds[:, edges], o1, lse1)
+  # The same pass reading the chunks' bounds from the plan's own columns.
+  second_own = build_merge(num_splits=4, out_dtype=jnp.bfloat16, edge_chunk=chunk, **common)
+  out_own, lse_own = second_own(seq_lens, bounds, o1, lse1)
+  np.testing.assert_array_equal(np.asarray(out_own, np.float32), np.asarray(out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse_own), np.asarray(lse_out))
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   out32, want = np.asarray(out, np.float32), np.asarray(want)
   assert np.linalg.norm(out32 - want) / np.linalg.norm(want) < 5e-3

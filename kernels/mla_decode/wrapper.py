@@ -167,11 +167,12 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
         num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **merge_args
     )
     o, lse = first(seq_lens, plan.bounds, o, lse)
-    edges = _merge.chunk_edges(plan.num_splits, chunk)
+    # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
-        num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows, **merge_args
+        num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows,
+        edge_chunk=chunk, **merge_args
     )
-    out, lse_out = second(seq_lens, plan.bounds[:, edges], o, lse, *finished)
+    out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
     return out[:, :heads], lse_out[:, :heads]
   # A row's live splits are its first ones; the merge reads those alone,
   # never the unwritten rest, and writes the rows the kernel did not.
