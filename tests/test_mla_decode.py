@@ -636,7 +636,7 @@ def test_merge_in_two_passes_matches_combine():
   """Chunks of a row's live splits first (split 0 alone, then 3 at a time),
   then the chunks' results: the same merge as one pass, NaN in the dead splits
   never read; a row whose live splits start past its first tile included."""
-  from jaxkv.kernels.mla_decode.merge import build_merge, chunk_edges
+  from jaxkv.kernels.mla_decode.merge import build_merge, chunk_edge, chunk_edges
 
   rng = np.random.default_rng(13)
   batch, splits, heads, chunk = 3, 8, 64, 3
@@ -655,6 +655,9 @@ def test_merge_in_two_passes_matches_combine():
   o1, lse1 = first(seq_lens, bounds, o_bad, lse_bad)
   edges = chunk_edges(splits, chunk)
   np.testing.assert_array_equal(edges, [0, 1, 4, 7, 8])
+  for s_, c_ in ((8, 3), (67, 8), (52, 8), (33, 8), (9, 8)):  # the kernels' traced twin
+    want_edges = chunk_edges(s_, c_)
+    np.testing.assert_array_equal(chunk_edge(jnp.arange(len(want_edges)), c_, s_), want_edges)
   assert o1.shape == (batch, 4, heads, 512)
   second = build_merge(num_splits=4, out_dtype=jnp.bfloat16, **common)
   out, lse_out = second(seq_lens, bounds[:, edges], o1, lse1)

@@ -67,6 +67,11 @@ def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
   return np.concatenate([[0], np.minimum(starts, num_splits)]).astype(np.int32)
 
 
+def chunk_edge(k, chunk: int, num_splits: int):
+  """`chunk_edges(num_splits, chunk)[k]` for a traced `k` (in the merge kernel)."""
+  return jnp.where(k == 0, 0, jnp.minimum(1 + (k - 1) * chunk, num_splits))
+
+
 def kernel_wrote_row(ntiles, first, second):
   """Whether the decode kernel wrote a row's result itself: the row has tiles
   and its split 0 covers all of them (`first`, `second`: the plan's bounds 0
@@ -124,16 +129,14 @@ def build_merge(
       first, limit, row_out, row_lse = 0, num_splits, out_ref.at[b], lse_out_ref.at[b]
     else:  # chunk k holds splits [first, limit), as chunk_edges lays them out
       k = lax.axis_index("k")
-      first = jnp.where(k == 0, 0, 1 + (k - 1) * chunk)
-      limit = jnp.where(k == 0, 1, jnp.minimum(first + chunk, num_splits))
+      first, limit = chunk_edge(k, chunk, num_splits), chunk_edge(k + 1, chunk, num_splits)
       row_out, row_lse = out_ref.at[b, k], lse_out_ref.at[b, k]
 
     def column(k):
-      # The bounds column of this pass's split boundary k (`chunk_edges`).
+      # The bounds column of this pass's split boundary k.
       if edge_chunk is None:
         return k
-      plan_splits = bounds_ref.shape[1] - 1
-      return jnp.where(k == 0, 0, jnp.minimum(1 + (k - 1) * edge_chunk, plan_splits))
+      return chunk_edge(k, edge_chunk, bounds_ref.shape[1] - 1)
 
     def bound(j):
       return jnp.clip(bounds_ref[b, column(jnp.minimum(first + j, limit))], 0, ntiles)
