@@ -61,11 +61,12 @@ def _poison(cache, table, seq_lens):
   return out, bad
 
 
-def _run(q, cache, table, seq_lens, *, splits, mask_mode="select", interpret=FAST):
+def _run(q, cache, table, seq_lens, *, splits, mask_mode="select", interpret=FAST, qk_split="slots"):
   return mla_decode(
       q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(seq_lens),
       sm_scale=SCALE, mask_mode=mask_mode,
-      config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1), interpret=interpret,
+      config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, qk_split=qk_split),
+      interpret=interpret,
   )
 
 
@@ -245,6 +246,8 @@ def test_configs_valid():
     MLADecodeConfig(num_splits=0)
   with pytest.raises(ValueError, match="split_overhead_tiles"):
     MLADecodeConfig(split_overhead_tiles=-1)
+  with pytest.raises(ValueError, match="qk_split"):
+    MLADecodeConfig(qk_split="heads")
 
 
 def _bad_plan(**change):
@@ -300,12 +303,20 @@ def test_profiler_needs_a_compiled_kernel():
         batch=1, heads_padded=64, num_parts=1, num_splits=1, block_size=64,
         sm_scale=0.1, select=True, interpret=object(), profile_dir="/tmp/trace",
     )
+  # The depth split's hand-off takes the SMEM the profiler's buffer needs.
+  with pytest.raises(ValueError, match="qk_split"):
+    kernel.build_kernel(
+        batch=1, heads_padded=64, num_parts=1, num_splits=1, block_size=64,
+        sm_scale=0.1, select=True, interpret=None, profile_dir="/tmp/trace", qk_split="depth",
+    )
 
 
 @pytest.mark.parametrize(
-    "block_size, select, finish_rows", [(64, True, True), (32, False, False), (128, True, False)]
+    "block_size, select, finish_rows, qk_split",
+    [(64, True, True, "slots"), (32, False, False, "slots"), (128, True, False, "slots"),
+     (64, True, True, "depth"), (32, False, False, "depth")],
 )
-def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows):
+def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, qk_split):
   """The compiled kernels' own paths (the RoPE query in registers, the seeded
   accumulator) exist only for the GPU, where the interpreter cannot run them:
   lowering the decode and merge kernels for CUDA here catches a broken body on a
@@ -316,7 +327,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows):
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits,
       block_size=block_size, sm_scale=SCALE, select=select, interpret=None,
-      finish_rows=finish_rows,
+      finish_rows=finish_rows, qk_split=qk_split,
   )
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   args = (
@@ -523,6 +534,44 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
   nan_rows = np.array([s % BS != 0 for s in seq_lens])
   np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2)), nan_rows)
   assert not np.isnan(np.asarray(lse)).any()
+
+
+@pytest.mark.parametrize("heads,bs", [(128, 64), (16, 32)])
+def test_depth_qk_split_matches_reference_and_stays_nan_safe(heads, bs):
+  """qk_split="depth": each consumer scores every slot of a tile over half the
+  channels and the two exchange partial sums through SMEM that P and the
+  maxima reuse. Parts of several segments (the hand-off buffers live across
+  segment ends and row sums), a cut row, lengths around the tile's edges, the
+  race detector on, poisoned tails and null block in both modes."""
+  seq_lens = [1, BS - 1, BS + 1, 0, 3 * BS, 2 * BS - 3, 5 * BS + 7]
+  q, cache, table, lens = _problem(31, seq_lens, heads, bs=bs)
+  config = MLADecodeConfig(
+      num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0, qk_split="depth"
+  )
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, block_size=bs, config=config, num_sms=6)
+  segs = _segments(plan, seq_lens)
+  assert max(len(s) for s in segs) >= 2  # a part runs several rows
+  assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2  # a row is cut
+  poisoned, _ = _poison(cache, table, lens)
+  clean_ref = _ref(q, cache, table, lens)
+
+  def run(c, mode):
+    return mla_decode(
+        q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+        sm_scale=SCALE, mask_mode=mode, plan=plan, config=config, interpret=RACES,
+    )
+
+  _assert_close(run(poisoned, "select"), clean_ref)
+  out, lse = run(poisoned, "multiply")
+  unit = min(bs, BS)
+  nan_rows = np.array([s % unit != 0 for s in seq_lens])
+  np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2)), nan_rows)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(clean_ref[1]), rtol=1e-3, atol=1e-3)
+  good = ~nan_rows
+  np.testing.assert_allclose(
+      np.asarray(out, np.float32)[good], np.asarray(clean_ref[0], np.float32)[good],
+      rtol=2e-2, atol=2e-2,
+  )
 
 
 def test_kernel_finishes_whole_rows_and_leaves_cut_rows_to_the_merge():

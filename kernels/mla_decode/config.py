@@ -9,6 +9,8 @@ from jaxkv.kernels._common import device_kind, load_tuning
 
 OP = "mla_decode"
 MAX_SPLITS = 256
+# How the kernel's consumers share a tile's QK (`MLADecodeConfig.qk_split`).
+QK_SPLITS = ("slots", "depth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +30,18 @@ class MLADecodeConfig:
       (query load, pipeline restart, partial store and merge), in tiles; the
       plan balances parts on tiles plus this per segment. 0 balances tiles
       alone.
+    qk_split: how the kernel's two consumer warpgroups share a tile's QK:
+      "slots" (each scores half the slots over all 576 channels) or "depth"
+      (each scores every slot over half the channels, and they exchange
+      partial sums; `kernel.depth_scores`). Not a plan parameter: it changes
+      the kernel, whatever plan it runs.
   """
 
   num_splits: int = 1
   ctas_per_sm: int = 1
   min_chunk_blocks: int = 8
   split_overhead_tiles: int = 4
+  qk_split: str = "slots"
 
   def __post_init__(self):
     for name in ("num_splits", "ctas_per_sm", "min_chunk_blocks"):
@@ -45,6 +53,8 @@ class MLADecodeConfig:
       raise ValueError(f"split_overhead_tiles={value!r} must be an int in [0, 1024]")
     if self.num_splits > MAX_SPLITS:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
+    if self.qk_split not in QK_SPLITS:
+      raise ValueError(f"qk_split={self.qk_split!r} must be one of {QK_SPLITS}")
 
 
 def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADecodeConfig:

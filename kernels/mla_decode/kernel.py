@@ -52,6 +52,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxkv.kernels._common import warpgroup_barrier
+
+from .config import QK_SPLITS
 from .reference import READ_TILE
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
@@ -106,6 +109,7 @@ def build_kernel(
     interpret,
     finish_rows: bool = False,
     profile_dir: str | None = None,
+    qk_split: str = "slots",
 ):
   """Builds the kernel call.
 
@@ -138,10 +142,21 @@ def build_kernel(
   of the `REGIONS` each warpgroup of each CTA went through (Mosaic GPU's
   profiler, SM clock cycles; `benchmarks/profile_mla_decode.py` reads it).
   A warpgroup records at most `PROFILE_RANGES` of them.
+
+  `qk_split` (one of `config.QK_SPLITS`) chooses how the consumers share a
+  tile's QK: "slots" (`tile_scores`: each scores its 32 slots over all 576
+  channels, N = 32) or "depth" (`depth_scores`: each scores all 64 slots over
+  half the channels, N = 64, and they exchange partial sums); "depth" takes
+  7.5 KB more SMEM, which leaves none for the profiler.
   """
   assert block_size in BLOCK_SIZES
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
+  if qk_split not in QK_SPLITS:
+    raise ValueError(f"{qk_split=} must be one of {QK_SPLITS}")
+  if profile_dir and qk_split != "slots":
+    raise ValueError(f"profile_dir needs qk_split='slots' ({qk_split=} leaves no SMEM for it)")
+  depth = qk_split == "depth"
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)
   piece_slots = min(block_size, TILE)
@@ -198,9 +213,9 @@ def build_kernel(
         whole = (part == row_part_ref[row]) & (lo == 0) & (hi == ntiles)
       return lo, hi - lo, split, whole
 
-    def scoped(q_lat, k_lat, k_rope, p_smem, xchg,
+    def scoped(q_lat, k_lat, k_rope, p_union, x_union,
                q_bar, kv_bar, free_bar, sync_bar, q_free_bar,
-               m0_bar, p0_bar, p1_bar, p0_free, p1_free, *interp_refs):
+               m0_bar, p0_bar, p1_bar, p0_free, p1_free, *extra_refs):
       # q_lat [2, 64, 256] bf16: the segment's latent query; k_lat [stages,
       # 2, 64, 256] and k_rope [stages, 64, 64] bf16: the KV ring; p_smem
       # [64, 64] bf16: P of the block (each consumer writes the 32 columns of
@@ -212,6 +227,19 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem at a segment's start and
       # moves to registers before the first P is written (which keeps SMEM
       # within the limit); the interpreter keeps it in its own buffer.
+      # With qk_split="depth" two unions (SMEM is full to 400 B): p_union
+      # is (p_smem, xs0), xs0 `[64, 32]` f32 (warpgroup 0's partial scores of
+      # slots 32-63) in p_smem's bytes, and x_union is (xchg, xs1), xs1
+      # `[64, 32]` f32 (warpgroup 1's of slots 0-31) in the exchange rows'
+      # bytes; each hand-off is read before either warpgroup writes P or a
+      # maximum of the tile (`depth_scores`). The hand-off barriers x0_bar,
+      # x1_bar (one arrival each) lead extra_refs.
+      if depth:
+        (p_smem, xs0), (xchg, xs1) = p_union, x_union
+        x0_bar, x1_bar, *interp_refs = extra_refs
+        handoff = ((xs0, xs1), (x0_bar, x1_bar))
+      else:
+        p_smem, xchg, interp_refs = p_union, x_union, extra_refs
       q_rope_smem = interp_refs[0] if interp_refs else p_smem
       wg = lax.axis_index("wg")
 
@@ -316,7 +344,13 @@ def build_kernel(
           """One 64-slot tile: our half's scores (masked in a segment's last
           tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
-          s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own)
+          if depth:
+            s = depth_scores(
+                wg, q_lat, q_rope, k_lat, k_rope, slot, *handoff,
+                compiled=interpret is None,
+            )
+          else:
+            s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block, and at block size 32 a
@@ -418,19 +452,22 @@ def build_kernel(
         pl.when(wg == w)(lambda w=w: consumer(w))
 
     bf16 = bf16_tile()
+    p_smem = plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16)
+    xchg = plgpu.SMEM((2, HEAD_TILE), jnp.float32)
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
-        plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
-        plgpu.SMEM((2, HEAD_TILE), jnp.float32),
+        plgpu.RefUnion(p_smem, partial_scores_smem()) if depth else p_smem,
+        plgpu.RefUnion(xchg, partial_scores_smem()) if depth else xchg,
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3 * pieces, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
+        *([plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)] if depth else []),
         *([] if rope_in_regs else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
             seesaw_p_scratch(),
@@ -481,6 +518,74 @@ def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots):
     return s_ref[...]
 
   return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
+
+
+def partial_scores_smem():
+  """A `[64, 32]` float32 hand-off of partial scores (128-byte swizzled rows:
+  the wgmma-layout stores and loads hit every bank once)."""
+  return plgpu.SMEM(
+      (HEAD_TILE, SLOT_HALF), jnp.float32,
+      transforms=(plgpu.TilingTransform((8, SLOT_HALF)), plgpu.SwizzleTransform(4 * SLOT_HALF)),
+  )
+
+
+def depth_scores(wg: int, q_lat, q_rope, k_lat, k_rope, stage, xs, x_bars, *, compiled: bool):
+  """This warpgroup's `[64, 32]` float32 scores (slots `[32 wg, 32 wg + 32)`),
+  the QK split by contraction depth instead of by slots.
+
+  Warpgroup w scores all 64 slots of the stage over its latent half (`q_lat[w]`
+  against `k_lat[stage, w]`, N = 64), warpgroup 0 also over the RoPE part: each
+  query half is read from SMEM once per tile instead of the whole query by
+  both (N = 32 reads the A operand twice as often per FLOP). Each then hands
+  the other the half of its sums that the other softmaxes and adds the half
+  it receives. Order (each barrier completes once per tile):
+  warpgroup 1 stores its half for 0 in `xs[1]` and arrives on `x_bars[1]`;
+  warpgroup 0 waits for it (so warpgroup 1 is past its reads of `p_smem`,
+  which `xs[0]` aliases: the RoPE query and the last tile's P), stores its
+  half in `xs[0]`, arrives on `x_bars[0]` and reads `xs[1]`; warpgroup 1
+  waits and reads `xs[0]`, then syncs its own threads before any of them
+  writes P over those bytes. `xs[1]` aliases the seesaw's exchange rows,
+  whose last reads (warpgroup 0's of m1, the segment end's row sums) come
+  before warpgroup 1's next QK; warpgroup 0 reads `xs[1]` before it writes
+  m0. A buffer is rewritten a tile later only after the seesaw's barriers
+  ordered its read (warpgroup 0 reads `xs[1]` before it hands on m0, which
+  warpgroup 1 waits for before its next QK; warpgroup 1 reads `xs[0]` before
+  it hands on P1, which warpgroup 0 waits for before its next QK); the
+  caller's `commit_smem` before the stage's release orders these plain
+  accesses before the async refills (the RoPE query's copy into `p_smem`).
+  """
+  def qk(s_ref):
+    q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
+    plgpu.wgmma(s_ref, q.at[wg], k_lat.at[stage, wg].T)
+    if wg == 0:
+      plgpu.wgmma(s_ref, q_rope, k_rope.at[stage].T)
+    return s_ref[...]
+
+  s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, TILE), jnp.float32))
+  keep = s[:, wg * SLOT_HALF:(wg + 1) * SLOT_HALF]
+  give = s[:, (1 - wg) * SLOT_HALF:(2 - wg) * SLOT_HALF]
+  (xs0, xs1), (x0_bar, x1_bar) = xs, x_bars
+  load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA)
+  # Where a view's bytes pass between this warpgroup's own threads (read
+  # through one view, then written through the other by another thread), a
+  # barrier of the warpgroup orders them; the interpreter runs a warpgroup
+  # as one thread.
+  sync = warpgroup_barrier if compiled else (lambda: None)
+  if wg == 1:
+    sync()  # our reads of the exchange rows (m0, row sums) are done
+    xs1[...] = give
+    plgpu.barrier_arrive(x1_bar)
+    plgpu.barrier_wait(x0_bar)
+    got = load(xs0)
+    sync()  # before any of us writes P over xs0
+  else:
+    plgpu.barrier_wait(x1_bar)
+    sync()  # our reads of p_smem (the RoPE query) are done
+    xs0[...] = give
+    plgpu.barrier_arrive(x0_bar)
+    got = load(xs1)
+    sync()  # before any of us writes m0 over xs1
+  return keep + got
 
 
 def softmax_start(cols):

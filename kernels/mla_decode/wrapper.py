@@ -21,7 +21,7 @@ from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 
 from . import kernel as _kernel
 from . import merge as _merge
-from .config import MLADecodeConfig
+from .config import MLADecodeConfig, default_config
 from .plan import MLADecodePlan, mla_decode_plan
 from .reference import MASK_MODES
 
@@ -111,7 +111,9 @@ def mla_decode(
       probability 0, like FlashMLA).
     plan: the split plan of this step from `mla_decode_plan`; computed here
       when None.
-    config: tuning config used when `plan` is None.
+    config: tuning config: the plan's parameters when `plan` is None, and
+      the kernel's `qk_split` either way (the device's tuned or heuristic
+      config when None).
     interpret: see `jaxkv.kernels._common.resolve_interpret`.
 
   Returns:
@@ -122,18 +124,20 @@ def mla_decode(
   interpret = resolve_interpret(interpret)
   if interpret is not None:
     require_interpreter_threads(_kernel.NUM_THREADS, "mla_decode")
+  if config is None:
+    config = default_config(batch=q.shape[0], num_heads=q.shape[1])
   with jax.named_scope("jaxkv.mla_decode"):
     if plan is None:
       plan = mla_decode_plan(seq_lens, num_heads=q.shape[1], block_size=cache.shape[1], config=config)
     return _mla_decode(
         q, cache, block_table, seq_lens, plan,
         sm_scale=float(sm_scale), select=mask_mode == "select",
-        interpret=interpret,
+        interpret=interpret, qk_split=config.qk_split,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "select", "interpret"))
-def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "select", "interpret", "qk_split"))
+def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, qk_split):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -150,7 +154,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
-      select=select, interpret=interpret, finish_rows=finish_rows,
+      select=select, interpret=interpret, finish_rows=finish_rows, qk_split=qk_split,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)

@@ -260,13 +260,3 @@ def wait_barrier(bar, *, parity: int) -> None:
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
   _wait(bar)
-
-
-def warpgroup_barrier() -> None:
-  """A barrier of this warpgroup's 128 threads alone (no memory fence)."""
-
-  @plgpu.inline_mgpu()
-  def _barrier(_ctx):
-    mgpu_utils.warpgroup_barrier()
-
-  _barrier()

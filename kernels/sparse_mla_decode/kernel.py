@@ -72,12 +72,12 @@ from jaxkv.kernels.mla_decode.kernel import (
     split_outputs,
     tile_scores,
 )
+from jaxkv.kernels._common import warpgroup_barrier
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
     init_barriers,
     issue_gather,
     wait_barrier,
-    warpgroup_barrier,
     zero_fill,
 )
 
