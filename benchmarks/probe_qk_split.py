@@ -70,15 +70,7 @@ def build(variant: str, pv: bool, iters: int, ctas: int, interpret=None):
       def scores(stage):
         if variant == "slots":
           return K.tile_scores(q_lat, q_rope, k_lat, k_rope, stage, pl.ds(w * 32, 32))
-
-        def qk(s_ref):
-          q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
-          plgpu.wgmma(s_ref, q.at[w], k_lat.at[stage, w].T)
-          if w == 0:
-            plgpu.wgmma(s_ref, q_rope, k_rope.at[stage].T)
-          return s_ref[...]
-
-        return pl.run_scoped(qk, plgpu.ACC((H, T), jnp.float32))
+        return K.depth_partial_scores(w, q_lat, q_rope, k_lat, k_rope, stage)
 
       def step(i, carry):
         tot, acc = carry

@@ -529,6 +529,21 @@ def partial_scores_smem():
   )
 
 
+def depth_partial_scores(wg: int, q_lat, q_rope, k_lat, k_rope, stage):
+  """Warpgroup wg's share of a tile's scores split by depth: `[64, 64]` float32
+  over all the stage's slots, summed over latent half wg (and, for warpgroup 0,
+  the RoPE part). Operands as in `tile_scores` (the query read through the
+  same opaque index)."""
+  def qk(s_ref):
+    q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
+    plgpu.wgmma(s_ref, q.at[wg], k_lat.at[stage, wg].T)
+    if wg == 0:
+      plgpu.wgmma(s_ref, q_rope, k_rope.at[stage].T)
+    return s_ref[...]
+
+  return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, TILE), jnp.float32))
+
+
 def depth_scores(wg: int, q_lat, q_rope, k_lat, k_rope, stage, xs, x_bars, *, compiled: bool):
   """This warpgroup's `[64, 32]` float32 scores (slots `[32 wg, 32 wg + 32)`),
   the QK split by contraction depth instead of by slots.
@@ -554,14 +569,7 @@ def depth_scores(wg: int, q_lat, q_rope, k_lat, k_rope, stage, xs, x_bars, *, co
   caller's `commit_smem` before the stage's release orders these plain
   accesses before the async refills (the RoPE query's copy into `p_smem`).
   """
-  def qk(s_ref):
-    q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
-    plgpu.wgmma(s_ref, q.at[wg], k_lat.at[stage, wg].T)
-    if wg == 0:
-      plgpu.wgmma(s_ref, q_rope, k_rope.at[stage].T)
-    return s_ref[...]
-
-  s = pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, TILE), jnp.float32))
+  s = depth_partial_scores(wg, q_lat, q_rope, k_lat, k_rope, stage)
   keep = s[:, wg * SLOT_HALF:(wg + 1) * SLOT_HALF]
   give = s[:, (1 - wg) * SLOT_HALF:(2 - wg) * SLOT_HALF]
   (xs0, xs1), (x0_bar, x1_bar) = xs, x_bars
