@@ -801,7 +801,8 @@ def split_outputs(batch, num_splits, heads_padded):
   )
 
 
-def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None):
+def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None,
+           reduction_scratch: bool = True):
   """The launch of both MLA decode kernels: three warpgroups ("wg") per CTA.
 
   The last grid axis varies fastest: make it the head group, so that the
@@ -818,6 +819,11 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
     interpret: None (compiled) or the interpreter's parameters.
     profile_dir: where the in-kernel profiler writes each call's trace (it
       records `PROFILE_RANGES` ranges per warpgroup; None: no profiler).
+    reduction_scratch: whether Pallas reserves its 2 KB of SMEM for
+      reductions across warps. The MLA kernels' reductions are along the rows
+      of wgmma-layout tiles, inside each warp, and never use it (a test walks
+      the kernels' reductions); without it the sparse kernel's depth split
+      fits in SMEM.
 
   Returns:
     The kernel call.
@@ -831,6 +837,7 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, unsafe_no_auto_barriers=True,
+          **({} if reduction_scratch else dict(reduction_scratch_bytes=0)),
           **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
                   profile_bounds_check=True) if profile_dir else {}),
       ),

@@ -11,6 +11,7 @@ OP = "sparse_mla_decode"
 MAX_SPLITS = 64
 TILE = 64  # indices per kernel step; the kernel's tile is this one
 IMPLEMENTATIONS = ("xla", "pallas")
+QK_SPLITS = ("slots", "depth")  # as dense decode's (mla_decode.config.QK_SPLITS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +27,13 @@ class SparseMLADecodeConfig:
       (the Mosaic GPU kernel, the default; needs a Hopper GPU) or "xla" (the
       jnp reference: any device, 2-3x slower on an H200). Interpreted calls
       always run the kernel.
+    qk_split: how the kernel's two consumer warpgroups share a tile's QK, as
+      in dense decode (`MLADecodeConfig.qk_split`): "slots" or "depth".
   """
 
   num_splits: int = 1
   implementation: str = "pallas"
+  qk_split: str = "slots"
 
   def __post_init__(self):
     value = self.num_splits
@@ -39,6 +43,8 @@ class SparseMLADecodeConfig:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
+    if self.qk_split not in QK_SPLITS:
+      raise ValueError(f"qk_split={self.qk_split!r} must be one of {QK_SPLITS}")
 
 
 def heuristic_config(

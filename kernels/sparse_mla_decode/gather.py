@@ -216,7 +216,8 @@ def zero_fill(*refs, transforms) -> None:
 
 
 def init_barriers(bars, *, arrivals: int) -> None:
-  """Initialises the mbarriers in `bars` (`[n, 2]` int32 SMEM ref, 8 bytes each).
+  """Initialises the mbarriers in `bars` (`[n, 2]`, or flat `[2 n]`, int32 SMEM
+  ref, 8 bytes each, 8-byte aligned).
 
   Called by one warpgroup (its first thread initialises), compiled only;
   other threads may use the barriers once a barrier (a warpgroup barrier, or
@@ -234,7 +235,8 @@ def init_barriers(bars, *, arrivals: int) -> None:
         mgpu_utils.c(0, i32),
     )
     base = mgpu_utils.memref_ptr(bars_ref)
-    for k in range(ir.MemRefType(bars_ref.type).shape[0]):
+    shape = ir.MemRefType(bars_ref.type).shape
+    for k in range(shape[0] if len(shape) == 2 else shape[0] // 2):
       nvvm.mbarrier_init(
           mgpu_utils.getelementptr(base, [8 * k], i8),
           mgpu_utils.c(arrivals, i32),

@@ -59,7 +59,9 @@ from jaxkv.kernels.mla_decode.kernel import (
     ROPE,
     SLOT_HALF,
     bf16_tile,
+    depth_scores,
     launch,
+    partial_scores_smem,
     seesaw_barriers,
     seesaw_begin,
     seesaw_end,
@@ -73,7 +75,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     tile_scores,
 )
 from jaxkv.kernels._common import warpgroup_barrier
-from jaxkv.kernels.sparse_mla_decode.config import TILE
+from jaxkv.kernels.sparse_mla_decode.config import QK_SPLITS, TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
     init_barriers,
     issue_gather,
@@ -107,6 +109,7 @@ def build_kernel(
     select: bool,
     interpret,
     out_dtype=jnp.float32,
+    qk_split: str = "slots",
 ):
   """Builds the kernel call.
 
@@ -119,8 +122,17 @@ def build_kernel(
   `combine_splits`. With one split they are the result itself, with no split
   axis: o `[batch, heads_padded, 512]` in `out_dtype` (0 where a row has no
   valid index) and lse `[batch, heads_padded]` f32.
+
+  `qk_split`: how the consumers share a tile's QK, "slots" or "depth", as in
+  dense decode (`mla_decode.kernel.depth_scores`). "depth" needs the SMEM of
+  Pallas's reduction scratch (unused here) and of two 1 KB allocations, which
+  it saves by packing the stage indices, the landing barriers and
+  "multiply"'s scratch into one.
   """
   assert topk % (TILE * num_splits) == 0
+  if qk_split not in QK_SPLITS:
+    raise ValueError(f"{qk_split=} must be one of {QK_SPLITS}")
+  depth = qk_split == "depth"
   num_tiles = topk // (TILE * num_splits)  # per split, static
   scale_log2 = float(sm_scale) * _LOG2E
   dtype = jnp.bfloat16
@@ -141,7 +153,7 @@ def build_kernel(
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     tok0 = split * (num_tiles * TILE)
 
-    def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
+    def scoped(q_lat, k_lat, k_rope, p_union, x_union, ids, small,
                q_bar, idx_bar, free_bar, sync_bar,
                m0_bar, p0_bar, p1_bar, p0_free, p1_free, *extra_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
@@ -158,13 +170,31 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
+      # With qk_split="depth": p_union is (p_smem, xs0) and x_union (xchg,
+      # xs1), as in dense decode; the hand-off barriers x0_bar, x1_bar lead
+      # extra_refs; `small` [stages + 1, 64] int32 holds stage_idx in its
+      # first rows and, compiled, landed (flat, [2 * stages]) and scratch in
+      # its last (one 1 KB allocation instead of three).
+      if depth:
+        (p_smem, xs0), (xchg, xs1) = p_union, x_union
+        x0_bar, x1_bar, *extra_refs = extra_refs
+        handoff = ((xs0, xs1), (x0_bar, x1_bar))
+        stage_idx = small.at[pl.ds(0, NUM_STAGES)]
+      else:
+        p_smem, xchg, stage_idx = p_union, x_union, small
       if compiled:
-        landed, *rest = extra_refs
-        scratch = rest[0] if rest else None
+        if depth:
+          landed_all = small.at[NUM_STAGES, pl.ds(0, 2 * NUM_STAGES)]
+          landed_at = lambda stage: landed_all.at[pl.ds(2 * stage, 2)]
+          scratch = None if select else small.at[NUM_STAGES, pl.ds(2 * NUM_STAGES, 4)]
+        else:
+          landed_all, *rest = extra_refs
+          landed_at = lambda stage: landed_all.at[stage]
+          scratch = rest[0] if rest else None
         q_rope_smem, ready_bar, p_scratch = p_smem, None, None
       else:
         q_rope_smem, ready_bar, p_scratch = extra_refs
-        landed = scratch = None
+        landed_all = landed_at = scratch = None
       wg = lax.axis_index("wg")
 
       @pl.when(wg == 2)
@@ -173,7 +203,7 @@ def build_kernel(
         if compiled:
           # Before the query's copy: the consumers' wait on it orders their
           # first wait on a stage after this.
-          init_barriers(landed, arrivals=128)
+          init_barriers(landed_all, arrivals=128)
         for h in range(2):
           plgpu.copy_gmem_to_smem(
               q_ref.at[b, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
@@ -210,7 +240,7 @@ def build_kernel(
           if compiled:
             issue_gather(
                 ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
-                tile_idx, stage_idx.at[stage], landed.at[stage], scratch,
+                tile_idx, stage_idx.at[stage], landed_at(stage), scratch,
                 tile=TILE, transforms=bf16, null_once=not select,
             )
           else:
@@ -286,7 +316,7 @@ def build_kernel(
             parity = lax.rem(i // NUM_STAGES, 2)
             for ph in range(2):
               pl.when(parity == ph)(
-                  lambda ph=ph: wait_barrier(landed.at[stage], parity=ph)
+                  lambda ph=ph: wait_barrier(landed_at(stage), parity=ph)
               )
           else:
             plgpu.barrier_wait(ready_bar.at[stage])
@@ -294,7 +324,10 @@ def build_kernel(
           # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
-          s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots)
+          if depth:
+            s = depth_scores(wg, q_lat, q_rope, k_lat, k_rope, stage, *handoff, compiled=compiled)
+          else:
+            s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots)
           valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
           s = jnp.where(valid, s * scale_log2, -jnp.inf)
           # m starts at a finite floor below any score, so a row with no
@@ -330,7 +363,7 @@ def build_kernel(
         pl.when(wg == w)(lambda w=w: consumer(w))
 
     if compiled:
-      extra = [
+      extra = [] if depth else [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
           *([] if select else [plgpu.SMEM((4,), jnp.int32)]),
       ]
@@ -342,20 +375,23 @@ def build_kernel(
           plgpu.Barrier(num_arrivals=3 * TILE + 1, num_barriers=NUM_STAGES),
           seesaw_p_scratch(),
       ]
+    p_smem = plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16)
+    xchg = plgpu.SMEM((2, HEAD_TILE), jnp.float32)
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
-        plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
-        plgpu.SMEM((2, HEAD_TILE), jnp.float32),
+        plgpu.RefUnion(p_smem, partial_scores_smem()) if depth else p_smem,
+        plgpu.RefUnion(xchg, partial_scores_smem()) if depth else xchg,
         plgpu.SMEM((IDX_STAGES, TILE), jnp.int32),
-        plgpu.SMEM((NUM_STAGES, TILE), jnp.int32),
+        plgpu.SMEM((NUM_STAGES + depth, TILE), jnp.int32),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
+        *([plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)] if depth else []),
         *extra,
         collective_axes="wg",
     )
@@ -373,4 +409,5 @@ def build_kernel(
       ),
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
+      reduction_scratch=not depth,
   )
