@@ -38,19 +38,16 @@ from jaxkv.kernels.mla_decode import kernel as K
 H, T, HALF, ROPE = 64, 64, 256, 64
 
 
-def f32_tile():
-  return (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-
-
 def build(variant: str, pv: bool, iters: int, ctas: int, interpret=None):
   bf16 = K.bf16_tile()
 
-  def body(q_ref, k_ref, out_ref, q_lat, k_lat, k_rope, xbuf, ld_bar, x_bar):
+  def body(q_ref, k_ref, out_ref, q_lat, k_lat, k_rope, xbuf0, xbuf1, ld_bar, x_bar):
     # q_ref [64, 576], k_ref [2, 64, 576] bf16 GMEM; out_ref [ctas, 2, 64, 64] f32.
     # q_lat [2, 64, 256], k_lat [2, 2, 64, 256], k_rope [2, 64, 64]
-    # bf16 SMEM; xbuf [2, 64, 32] f32 SMEM: each warpgroup's hand-off.
+    # bf16 SMEM; xbuf0, xbuf1 [64, 32] f32 SMEM: each warpgroup's hand-off.
     wg = lax.axis_index("wg")
     c = lax.axis_index("c")
+    xbuf = (xbuf0, xbuf1)
 
     @pl.when(wg == 0)
     def _():
@@ -79,12 +76,12 @@ def build(variant: str, pv: bool, iters: int, ctas: int, interpret=None):
         if variant.startswith("depth+x"):
           give = s[:, (1 - w) * 32:(2 - w) * 32]
           keep = s[:, w * 32:(w + 1) * 32]
-          xbuf[w] = give
+          xbuf[w][...] = give
           if variant == "depth+x":
             plgpu.commit_smem()
           plgpu.barrier_arrive(x_bar.at[w])
           plgpu.barrier_wait(x_bar.at[1 - w])
-          got = plgpu.load(xbuf.at[1 - w], layout=plgpu.Layout.WGMMA)
+          got = plgpu.load(xbuf[1 - w], layout=plgpu.Layout.WGMMA)
           s = keep + got
           if variant != "depth+x1":
             # The other may overwrite its buffer only after we read it: a
@@ -125,7 +122,8 @@ def build(variant: str, pv: bool, iters: int, ctas: int, interpret=None):
           plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=bf16),
           plgpu.SMEM((2, 2, T, HALF), jnp.bfloat16, transforms=bf16),
           plgpu.SMEM((2, T, ROPE), jnp.bfloat16, transforms=bf16),
-          plgpu.SMEM((2, H, 32), jnp.float32, transforms=f32_tile()),
+          K.partial_scores_smem(),
+          K.partial_scores_smem(),
           plgpu.Barrier(num_arrivals=2 * 3 + 2),
           plgpu.Barrier(num_arrivals=1, num_barriers=4),
       ],

@@ -227,19 +227,14 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem at a segment's start and
       # moves to registers before the first P is written (which keeps SMEM
       # within the limit); the interpreter keeps it in its own buffer.
-      # With qk_split="depth" two unions (SMEM is full to 400 B): p_union
-      # is (p_smem, xs0), xs0 `[64, 32]` f32 (warpgroup 0's partial scores of
-      # slots 32-63) in p_smem's bytes, and x_union is (xchg, xs1), xs1
-      # `[64, 32]` f32 (warpgroup 1's of slots 0-31) in the exchange rows'
-      # bytes; each hand-off is read before either warpgroup writes P or a
-      # maximum of the tile (`depth_scores`). The hand-off barriers x0_bar,
-      # x1_bar (one arrival each) lead extra_refs.
-      if depth:
-        (p_smem, xs0), (xchg, xs1) = p_union, x_union
-        x0_bar, x1_bar, *interp_refs = extra_refs
-        handoff = ((xs0, xs1), (x0_bar, x1_bar))
-      else:
-        p_smem, xchg, interp_refs = p_union, x_union, extra_refs
+      # With qk_split="depth" two unions (`seesaw_scratch`; SMEM is full):
+      # p_union is (p_smem, xs0), xs0 `[64, 32]` f32 (warpgroup 0's partial
+      # scores of slots 32-63) in p_smem's bytes, and x_union is (xchg, xs1),
+      # xs1 `[64, 32]` f32 (warpgroup 1's of slots 0-31) in the exchange
+      # rows' bytes; each hand-off is read before either warpgroup writes P
+      # or a maximum of the tile (`depth_scores`). The hand-off barriers
+      # x0_bar, x1_bar lead extra_refs.
+      p_smem, xchg, handoff, interp_refs = seesaw_refs(p_union, x_union, extra_refs, depth)
       q_rope_smem = interp_refs[0] if interp_refs else p_smem
       wg = lax.axis_index("wg")
 
@@ -452,22 +447,19 @@ def build_kernel(
         pl.when(wg == w)(lambda w=w: consumer(w))
 
     bf16 = bf16_tile()
-    p_smem = plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16)
-    xchg = plgpu.SMEM((2, HEAD_TILE), jnp.float32)
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
-        plgpu.RefUnion(p_smem, partial_scores_smem()) if depth else p_smem,
-        plgpu.RefUnion(xchg, partial_scores_smem()) if depth else xchg,
+        *seesaw_scratch(depth),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3 * pieces, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
-        *([plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)] if depth else []),
+        *handoff_barriers(depth),
         *([] if rope_in_regs else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
             seesaw_p_scratch(),
@@ -527,6 +519,38 @@ def partial_scores_smem():
       (HEAD_TILE, SLOT_HALF), jnp.float32,
       transforms=(plgpu.TilingTransform((8, SLOT_HALF)), plgpu.SwizzleTransform(4 * SLOT_HALF)),
   )
+
+
+def seesaw_scratch(depth: bool):
+  """The seesaw's P tile (`[64, 64]` bf16) and exchange rows (`[2, 64]` f32)
+  as scoped SMEM; with `depth`, each in a union with a partial-score hand-off
+  (`partial_scores_smem`), whose lifetimes `depth_scores` keeps apart. Returns
+  the two entries, in that order; `seesaw_refs` takes their refs apart."""
+  p_smem = plgpu.SMEM((HEAD_TILE, TILE), jnp.bfloat16, transforms=bf16_tile())
+  xchg = plgpu.SMEM((2, HEAD_TILE), jnp.float32)
+  if not depth:
+    return [p_smem, xchg]
+  return [plgpu.RefUnion(p_smem, partial_scores_smem()), plgpu.RefUnion(xchg, partial_scores_smem())]
+
+
+def handoff_barriers(depth: bool):
+  """With `depth`, the hand-off barriers of `depth_scores` (`x0_bar`, `x1_bar`,
+  one arrival each); none without."""
+  return [plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)] if depth else []
+
+
+def seesaw_refs(p_entry, x_entry, refs, depth: bool):
+  """The refs of `seesaw_scratch(depth)` (`p_entry`, `x_entry`) and of
+  `handoff_barriers(depth)` (leading `refs`), taken apart.
+
+  Returns `(p_smem, xchg, handoff, rest)`: handoff is `depth_scores`' `(xs,
+  x_bars)` (None without `depth`), rest the refs after the barriers.
+  """
+  if not depth:
+    return p_entry, x_entry, None, refs
+  (p_smem, xs0), (xchg, xs1) = p_entry, x_entry
+  x0_bar, x1_bar, *rest = refs
+  return p_smem, xchg, ((xs0, xs1), (x0_bar, x1_bar)), rest
 
 
 def depth_partial_scores(wg: int, q_lat, q_rope, k_lat, k_rope, stage):

@@ -6,12 +6,12 @@ import dataclasses
 from typing import Any
 
 from jaxkv.kernels._common import device_kind, load_tuning
+from jaxkv.kernels.mla_decode.config import QK_SPLITS
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
 TILE = 64  # indices per kernel step; the kernel's tile is this one
 IMPLEMENTATIONS = ("xla", "pallas")
-QK_SPLITS = ("slots", "depth")  # as dense decode's (mla_decode.config.QK_SPLITS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,14 +60,16 @@ from jaxkv.kernels.mla_decode.kernel import (
     SLOT_HALF,
     bf16_tile,
     depth_scores,
+    handoff_barriers,
     launch,
-    partial_scores_smem,
     seesaw_barriers,
     seesaw_begin,
     seesaw_end,
     seesaw_p_scratch,
     seesaw_pv,
+    seesaw_refs,
     seesaw_row_sums,
+    seesaw_scratch,
     seesaw_tile,
     softmax_finish,
     softmax_start,
@@ -175,13 +177,8 @@ def build_kernel(
       # extra_refs; `small` [stages + 1, 64] int32 holds stage_idx in its
       # first rows and, compiled, landed (flat, [2 * stages]) and scratch in
       # its last (one 1 KB allocation instead of three).
-      if depth:
-        (p_smem, xs0), (xchg, xs1) = p_union, x_union
-        x0_bar, x1_bar, *extra_refs = extra_refs
-        handoff = ((xs0, xs1), (x0_bar, x1_bar))
-        stage_idx = small.at[pl.ds(0, NUM_STAGES)]
-      else:
-        p_smem, xchg, stage_idx = p_union, x_union, small
+      p_smem, xchg, handoff, extra_refs = seesaw_refs(p_union, x_union, extra_refs, depth)
+      stage_idx = small.at[pl.ds(0, NUM_STAGES)] if depth else small
       if compiled:
         if depth:
           landed_all = small.at[NUM_STAGES, pl.ds(0, 2 * NUM_STAGES)]
@@ -375,15 +372,12 @@ def build_kernel(
           plgpu.Barrier(num_arrivals=3 * TILE + 1, num_barriers=NUM_STAGES),
           seesaw_p_scratch(),
       ]
-    p_smem = plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16)
-    xchg = plgpu.SMEM((2, HEAD_TILE), jnp.float32)
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
-        plgpu.RefUnion(p_smem, partial_scores_smem()) if depth else p_smem,
-        plgpu.RefUnion(xchg, partial_scores_smem()) if depth else xchg,
+        *seesaw_scratch(depth),
         plgpu.SMEM((IDX_STAGES, TILE), jnp.int32),
         plgpu.SMEM((NUM_STAGES + depth, TILE), jnp.int32),
         plgpu.Barrier(num_arrivals=3),
@@ -391,7 +385,7 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
-        *([plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)] if depth else []),
+        *handoff_barriers(depth),
         *extra,
         collective_axes="wg",
     )
