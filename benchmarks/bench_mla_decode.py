@@ -1,9 +1,11 @@
 """Dense paged MLA decode on the GPU: correctness check, then timings against ceilings.
 
-Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:depth] ...]
+Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:depth][:sw64][:sw128] ...]
 (":mul" also times mask_mode="multiply", ":xla" the XLA reference, ":depth" the
-kernel with the QK split by depth, `MLADecodeConfig(qk_split="depth")`; the
-check runs both QK splits).
+kernel with the QK split by depth, `MLADecodeConfig(qk_split="depth")`,
+":sw64" / ":sw128" the kernel with the query and KV ring under the 64- or
+128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, each on the default's
+plan; the check runs every variant).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
 bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
@@ -127,8 +129,14 @@ def table_for(rng, lens, num_blocks, max_blocks, bs=BS):
   return jnp.asarray(t)
 
 
-def check_correctness(rng, qk_split="slots"):
-  print(f"qk_split={qk_split}")
+# The kernel variants beside the default that a shape may time (":name").
+VARIANTS = {"depth": dict(qk_split="depth"), "sw64": dict(kv_swizzle=64),
+            "sw128": dict(kv_swizzle=128)}
+
+
+def check_correctness(rng, variant="default"):
+  kernel_kw = VARIANTS.get(variant, {})
+  print(f"variant {variant}: {kernel_kw}")
   rows = []
   lens_np = [1, 63, 64, 65, 0, 1000, 4097, 300]
   for heads, splits, mode in ((16, 1, "select"), (64, 3, "multiply"), (128, 7, "select")):
@@ -137,7 +145,7 @@ def check_correctness(rng, qk_split="slots"):
     q = jax.random.normal(jax.random.fold_in(key, 1), (8, heads, D), jnp.bfloat16)
     lens = jnp.asarray(lens_np, jnp.int32)
     table = table_for(rng, lens_np, 200, 70)
-    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, qk_split=qk_split)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
     out, lse = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode, config=cfg)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode)
     o32, r32 = np.asarray(out, np.float32), np.asarray(ro, np.float32)
@@ -155,7 +163,7 @@ def check_correctness(rng, qk_split="slots"):
   for b, s in enumerate(np.asarray(lens)):
     if s % BS:
       poisoned = poisoned.at[table[b, s // BS], s % BS:].set(jnp.nan)
-  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1, qk_split=qk_split)
+  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1, **kernel_kw)
   clean, _ = mla_decode(q, cache, table, lens, sm_scale=0.05, config=cfg)
   sel, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, config=cfg)
   mul, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, mask_mode="multiply", config=cfg)
@@ -200,7 +208,7 @@ def check_block_sizes(rng, cfg):
   return ok
 
 
-def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS, depth=False):
+def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS, variants=()):
   one = batch * mean_ctx * D * 2
   copies = max(1, math.ceil(3 * L2_BYTES / one))
   lens_np = make_lens(rng, batch, mean_ctx)
@@ -219,13 +227,13 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
     res[mode + "_kernel"] = kern
     if not res.get("names"):
       res["names"] = sorted({nm[:40] for nm, _ in names})
-  if depth:  # the same plan, the QK split by depth instead of by slots
-    cfg = MLADecodeConfig(qk_split="depth")
-    fn = jax.jit(lambda q, c, ts, s, p: [
+  for name in variants:  # the same plan, another kernel variant
+    cfg = MLADecodeConfig(**VARIANTS[name])
+    fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg: [
         mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p, config=cfg) for t in ts])
     ms, names = timed(fn, q, cache, tables, lens, plan)
-    res["depth"] = ms / copies
-    res["depth_kernel"] = sum(t for nm, t in names if "mla_decode" in nm and "merge" not in nm) / copies
+    res[name] = ms / copies
+    res[name + "_kernel"] = sum(t for nm, t in names if "mla_decode" in nm and "merge" not in nm) / copies
   g = jax.jit(lambda c, ts, bnd: gather_ceiling(c, ts, bnd))
   if bs != BS:  # the ceiling streams 64-slot blocks: the same bytes
     _, cache64, tables64, _ = make_problem(rng, lens_np, heads, copies)
@@ -245,14 +253,15 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", nargs="*", default=None,
-                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128]")
+                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:depth][:sw64][:sw128]")
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   print(jax.devices()[0].device_kind, jax.__version__)
   if not args.skip_check:
-    ok = [check_correctness(rng, qk) for qk in ("slots", "depth")]
-    print("CORRECT" if all(ok) else f"WRONG (slots, depth: {ok})")
+    names = ("default", *VARIANTS)
+    ok = [check_correctness(rng, v) for v in names]
+    print("CORRECT" if all(ok) else f"WRONG ({dict(zip(names, ok))})")
   shapes = args.shapes or ["128:64:4096:xla", "128:128:4096:xla", "128:16:4096", "128:64:16384", "128:128:16384", "1:128:131072", "8:64:32768"]
   out = []
   for spec in shapes:
@@ -261,13 +270,14 @@ def main():
     modes = ("select", "multiply") if "mul" in parts else ("select",)
     bs = next((int(x[2:]) for x in parts[3:] if x.startswith("bs")), BS)
     try:
-      r = bench_shape(rng, b, h, c, modes, "xla" in parts, bs=bs, depth="depth" in parts)
+      r = bench_shape(rng, b, h, c, modes, "xla" in parts, bs=bs,
+                      variants=[v for v in VARIANTS if v in parts])
     except Exception as e:  # keep measuring the other shapes
       print("FAILED", spec, repr(e)[:300], flush=True)
       continue
     out.append(r)
     print(r, flush=True)
-  print("\nbatch heads ctx bs splits | select ms TB/s TFLOP/s | kernel-only ms | multiply ms (kernel) sel/mul | gather ms TB/s | gather/sel | xla ms  x | depth ms (depth/slots)")
+  print("\nbatch heads ctx bs splits | select ms TB/s TFLOP/s | kernel-only ms | multiply ms (kernel) sel/mul | gather ms TB/s | gather/sel | xla ms  x | variant ms (variant/default)")
   for r in out:
     ms = r["select"]
     tbs = r["bytes"] / ms / 1e9
@@ -276,7 +286,7 @@ def main():
     mul = (f"{r['multiply']:.3f} ({r['multiply_kernel']:.3f}) {ms / r['multiply']:.3f}"
            if "multiply" in r else "-")
     xla = f"{r['xla']:.3f} {r['xla'] / ms:.1f}x" if "xla" in r else "-"
-    dep = f"{r['depth']:.4f} ({r['depth'] / ms:.3f})" if "depth" in r else "-"
+    dep = " ".join(f"{v} {r[v]:.4f} ({r[v] / ms:.3f})" for v in VARIANTS if v in r) or "-"
     print(f"{r['batch']:5d} {r['heads']:5d} {r['ctx']:6d} {r['bs']:3d} {r['splits']:4d} | {ms:.3f} {tbs:.2f} {tf:.0f} | "
           f"{r['select_kernel']:.3f} | {mul} | {r['gather']:.3f} {gtbs:.2f} | {r['gather'] / ms:.2f} | {xla} | {dep}")
 

@@ -248,6 +248,16 @@ def test_configs_valid():
     MLADecodeConfig(split_overhead_tiles=-1)
   with pytest.raises(ValueError, match="qk_split"):
     MLADecodeConfig(qk_split="heads")
+  with pytest.raises(ValueError, match="kv_swizzle"):
+    MLADecodeConfig(kv_swizzle=32)
+  # The tuned and heuristic configs stream one head group under the 128-byte
+  # swizzle and keep the 64-byte one where two head groups bind the chain.
+  for batch in (1, 8, 128):
+    assert heuristic_config(batch=batch, num_heads=64).kv_swizzle == 128
+    assert heuristic_config(batch=batch, num_heads=128).kv_swizzle == 64
+  for entry in entries:
+    want = 128 if max(entry["heads"]) <= 64 else 64
+    assert MLADecodeConfig(**entry["config"]).kv_swizzle == want, entry
 
 
 def _bad_plan(**change):
@@ -312,11 +322,13 @@ def test_profiler_needs_a_compiled_kernel():
 
 
 @pytest.mark.parametrize(
-    "block_size, select, finish_rows, qk_split",
-    [(64, True, True, "slots"), (32, False, False, "slots"), (128, True, False, "slots"),
-     (64, True, True, "depth"), (32, False, False, "depth")],
+    "block_size, select, finish_rows, qk_split, kv_swizzle",
+    [(64, True, True, "slots", 64), (32, False, False, "slots", 64),
+     (128, True, False, "slots", 64), (64, True, True, "depth", 64),
+     (32, False, False, "depth", 64), (64, False, True, "slots", 128),
+     (32, True, False, "slots", 128)],
 )
-def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, qk_split):
+def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, qk_split, kv_swizzle):
   """The compiled kernels' own paths (the RoPE query in registers, the seeded
   accumulator) exist only for the GPU, where the interpreter cannot run them:
   lowering the decode and merge kernels for CUDA here catches a broken body on a
@@ -327,7 +339,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, qk_s
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits,
       block_size=block_size, sm_scale=SCALE, select=select, interpret=None,
-      finish_rows=finish_rows, qk_split=qk_split,
+      finish_rows=finish_rows, qk_split=qk_split, kv_swizzle=kv_swizzle,
   )
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   args = (
@@ -536,17 +548,24 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
   assert not np.isnan(np.asarray(lse)).any()
 
 
-@pytest.mark.parametrize("heads,bs", [(128, 64), (16, 32)])
-def test_depth_qk_split_matches_reference_and_stays_nan_safe(heads, bs):
-  """qk_split="depth": each consumer scores every slot of a tile over half the
-  channels and the two exchange partial sums through SMEM that P and the
-  maxima reuse. Parts of several segments (the hand-off buffers live across
-  segment ends and row sums), a cut row, lengths around the tile's edges, the
-  race detector on, poisoned tails and null block in both modes."""
+@pytest.mark.parametrize(
+    "heads,bs,qk_split,kv_swizzle",
+    [(128, 64, "depth", 64), (16, 32, "depth", 64),
+     (128, 64, "slots", 128), (16, 32, "slots", 128), (64, 128, "slots", 128)],
+)
+def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, qk_split, kv_swizzle):
+  """The kernel's variants beside the default: qk_split="depth" (each consumer
+  scores every slot of a tile over half the channels and the two exchange
+  partial sums through SMEM that P and the maxima reuse) and kv_swizzle=128
+  (64-column tiles; each consumer's PV over the whole P once both halves are
+  out). Parts of several segments (the hand-off buffers live across segment
+  ends and row sums), a cut row, lengths around the tile's edges, the race
+  detector on, poisoned tails and null block in both modes."""
   seq_lens = [1, BS - 1, BS + 1, 0, 3 * BS, 2 * BS - 3, 5 * BS + 7]
   q, cache, table, lens = _problem(31, seq_lens, heads, bs=bs)
   config = MLADecodeConfig(
-      num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0, qk_split="depth"
+      num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0,
+      qk_split=qk_split, kv_swizzle=kv_swizzle,
   )
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, block_size=bs, config=config, num_sms=6)
   segs = _segments(plan, seq_lens)

@@ -54,7 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkv.kernels._common import warpgroup_barrier
 
-from .config import QK_SPLITS
+from .config import KV_SWIZZLES, QK_SPLITS
 from .reference import READ_TILE
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
@@ -91,10 +91,11 @@ REGIONS = (
 )
 
 
-def bf16_tile():
-  # 32-column (64-byte swizzled) tiles: wgmma takes A and B under the same
-  # transforms, and P and each warpgroup's score slice are 32 slots wide.
-  return (plgpu.TilingTransform((8, SLOT_HALF)), plgpu.SwizzleTransform(2 * SLOT_HALF))
+def bf16_tile(swizzle: int = 64):
+  # Tiles of 8 rows and `swizzle` bytes (32 columns at 64: wgmma takes A and
+  # B under the same transforms, and P and each warpgroup's score slice are
+  # 32 slots wide; 64 columns at 128, `build_kernel(kv_swizzle=128)`).
+  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
 def build_kernel(
@@ -110,6 +111,7 @@ def build_kernel(
     finish_rows: bool = False,
     profile_dir: str | None = None,
     qk_split: str = "slots",
+    kv_swizzle: int = 64,
 ):
   """Builds the kernel call.
 
@@ -148,6 +150,15 @@ def build_kernel(
   channels, N = 32) or "depth" (`depth_scores`: each scores all 64 slots over
   half the channels, N = 64, and they exchange partial sums); "depth" takes
   7.5 KB more SMEM, which leaves none for the profiler.
+
+  `kv_swizzle` (one of `config.KV_SWIZZLES`) is the byte width of the
+  swizzle of the query and the KV ring in SMEM. At 64 (32-column tiles) each
+  TMA copy moves 64-byte rows and each consumer multiplies P into its values
+  in two 32-slot halves, its own beside the other's softmax
+  (`seesaw_tile`). At 128 (64-column tiles) the copies move 128-byte rows,
+  which stream ~25% faster from HBM into a two-stage ring
+  (`benchmarks/probe_multicast.py`); wgmma then takes K in steps of 64, so
+  each consumer's PV runs once per tile, over both halves of P.
   """
   assert block_size in BLOCK_SIZES
   if profile_dir and interpret is not None:
@@ -156,7 +167,12 @@ def build_kernel(
     raise ValueError(f"{qk_split=} must be one of {QK_SPLITS}")
   if profile_dir and qk_split != "slots":
     raise ValueError(f"profile_dir needs qk_split='slots' ({qk_split=} leaves no SMEM for it)")
+  if kv_swizzle not in KV_SWIZZLES:
+    raise ValueError(f"{kv_swizzle=} must be one of {KV_SWIZZLES}")
+  if kv_swizzle != 64 and qk_split != "slots":
+    raise ValueError(f"{kv_swizzle=} needs qk_split='slots', got {qk_split=}")
   depth = qk_split == "depth"
+  whole_pv = kv_swizzle == 128
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)
   piece_slots = min(block_size, TILE)
@@ -366,13 +382,20 @@ def build_kernel(
           else:
             s = s * scale_log2
             clean = False
-          pv = functools.partial(
-              seesaw_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
-              p_scratch=None if interpret is None else interp_refs[1],
-          )
+          if whole_pv:
+            pv = functools.partial(
+                seesaw_pv_whole, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
+                compiled=interpret is None,
+            )
+          else:
+            pv = functools.partial(
+                seesaw_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
+                p_scratch=None if interpret is None else interp_refs[1],
+            )
           acc, m_new, l_i = seesaw_tile(
               wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
               clean=functools.partial(clean_values, slot, n_keep) if clean else None,
+              whole_pv=whole_pv,
           )
           plgpu.barrier_arrive(free_bar.at[slot])
           if last:
@@ -446,12 +469,12 @@ def build_kernel(
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
 
-    bf16 = bf16_tile()
+    kv = bf16_tile(kv_swizzle)
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
-        plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
-        plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
+        plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=kv),
+        plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=kv),
+        plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=kv),
         *seesaw_scratch(depth),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3 * pieces, num_barriers=NUM_STAGES),
@@ -461,7 +484,7 @@ def build_kernel(
         *seesaw_barriers(),
         *handoff_barriers(depth),
         *([] if rope_in_regs else [
-            plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
+            plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=kv),
             seesaw_p_scratch(),
         ]),
         collective_axes="wg",
@@ -701,7 +724,34 @@ def seesaw_pv(acc, slots, *, k_lat, slot, wg, p_smem, p_scratch, p=None, p_cols=
   return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
 
 
-def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
+def seesaw_pv_whole(acc, *, k_lat, slot, wg, p_smem, p_own, compiled: bool):
+  """O[:, warpgroup wg's 256 channels] += P V over all 64 slots of a tile.
+
+  For a KV ring under the 128-byte swizzle, where wgmma takes K in steps of
+  64 slots. P is `[64, 64]` bf16: our half `p_own` (`[64, 32]`, registers)
+  and the other's from `p_smem`, joined in registers. The interpreter takes
+  no register operand and no seeded accumulator: there it reads the whole P
+  from `p_smem`, where each warpgroup also stored its own half.
+  """
+  if compiled:
+    other = plgpu.load(
+        p_smem.at[:, pl.ds((1 - wg) * SLOT_HALF, SLOT_HALF)], layout=plgpu.Layout.WGMMA
+    )
+    p = jnp.concatenate([p_own, other] if wg == 0 else [other, p_own], axis=1)
+
+    def body(o_acc_ref):
+      plgpu.wgmma(o_acc_ref, p, k_lat.at[slot, wg])
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+
+  def pv_fresh(o_acc_ref):
+    plgpu.wgmma(o_acc_ref, p_smem, k_lat.at[slot, wg])
+    return o_acc_ref[...]
+
+  return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
+
+
+def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_pv=False):
   """One 64-slot tile's softmax and PV, FlashMLA's "seesaw" over its two halves.
 
   Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)`: `s` is `[64, 32]`
@@ -730,6 +780,10 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
       the only other readers (warpgroup 1 cleans as soon as warpgroup 0
       has handed on m0, and warpgroup 0 hands its P on before its own PV,
       so neither waits for the other's clean).
+    whole_pv: `pv` is `seesaw_pv_whole` (a KV ring under the 128-byte
+      swizzle): each warpgroup multiplies the whole P in once both halves
+      are out, at the tile's maximum m1 (so warpgroup 0 rescales its
+      accumulator once), instead of its own half first.
 
   Returns:
     `(acc, m1, l)`.
@@ -741,6 +795,9 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   rows = lambda k: plgpu.load(xchg.at[k], layout=row_layout, optimized=False)
   bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+  if whole_pv:
+    return _seesaw_tile_whole(wg, s, carry, pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
+                              clean=clean, rows=rows, bcast=bcast, own=own)
   if wg == 0:
     m0 = jnp.maximum(m_i, s.max(axis=1))
     scale0 = jnp.exp2(m_i - m0)
@@ -791,6 +848,60 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None):
     acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale (and clean)
     plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
     acc = pv(acc, other, p_cols=other)
+    plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
+  return acc, m1, l_i
+
+
+def _seesaw_tile_whole(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean, rows, bcast, own):
+  """`seesaw_tile` with one PV per warpgroup over all 64 slots (`whole_pv`).
+
+  The hand-offs are `seesaw_tile`'s; what moves is the PV. Both halves of P
+  are at warpgroup 1's maximum m1 when multiplied in: warpgroup 0 hands its
+  half on rescaled (as before) and keeps that copy for its own PV, and
+  rescales its accumulator once, by exp2(m - m1). Each warpgroup stores its
+  own half in `p_smem` as well (the interpreter's PV reads the whole P
+  there; compiled, it only reads the other half).
+  """
+  m0_bar, p0_bar, p1_bar, p0_free, p1_free = bars
+  acc, m_i, l_i = carry
+  if wg == 0:
+    m0 = jnp.maximum(m_i, s.max(axis=1))
+    p = jnp.exp2(s - bcast(m0, s.shape))
+    l_i = l_i * jnp.exp2(m_i - m0) + p.sum(axis=1)
+    xchg[0] = m0
+    plgpu.barrier_arrive(m0_bar)  # our QK is done, m0 is out
+    plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs are done
+    m1 = rows(1)
+    scale1 = jnp.exp2(m0 - m1)
+    if clean is not None:
+      clean()
+    p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
+    plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
+    p_smem[:, own] = p_scaled
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p0_bar)
+    acc = acc * bcast(jnp.exp2(m_i - m1), acc.shape)
+    l_i = l_i * scale1
+    acc = pv(acc, p_own=p_scaled)
+    plgpu.barrier_arrive(p1_free)  # we are done with warpgroup 1's P
+  else:
+    plgpu.barrier_wait(m0_bar)
+    m0 = rows(0)
+    m1 = jnp.maximum(m0, s.max(axis=1))
+    scale = jnp.exp2(m_i - m0) * jnp.exp2(m0 - m1)
+    p = jnp.exp2(s - bcast(m1, s.shape))
+    l_i = l_i * scale + p.sum(axis=1)
+    p16 = p.astype(jnp.bfloat16)
+    plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
+    p_smem[:, own] = p16
+    xchg[1] = m1
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p1_bar)
+    acc = acc * bcast(scale, acc.shape)
+    if clean is not None:
+      clean()
+    plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
+    acc = pv(acc, p_own=p16)
     plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
   return acc, m1, l_i
 

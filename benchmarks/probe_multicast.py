@@ -1,0 +1,142 @@
+"""Probe: can two head groups share one KV stream (a cluster of two, TMA multicast)?
+
+Usage: python benchmarks/probe_multicast.py [--lower-only]
+
+At 128 heads the decode kernel runs two CTAs per part (one per 64-head group),
+side by side, each loading the same KV tiles: the HBM reads them once, the L2
+serves them twice. This probe streams the same 64-slot tiles (two latent halves
+and the RoPE part, into the kernel's swizzled stage layout, a ring of two or
+three stages) with no compute, three ways, over the same blocks:
+
+- `once`: one CTA per part, 132 parts (each tile read once; the gather ceiling).
+- `twice`: 66 parts, two CTAs each reading the part's tiles (the grid's last
+  axis, as the decode kernel's head groups): every tile delivered twice.
+- `multicast`: 66 parts, a cluster of two CTAs per part; each CTA issues half
+  of every copy, multicast to both (`collective_axes`), and a stage is
+  refilled once both CTAs released it (a cluster barrier): every tile read
+  from L2 once, delivered twice.
+
+Prints µs per call and the bytes delivered to SMEM per µs, per variant and
+ring depth, from CUPTI (median of five).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu.profiler import measure
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkv.kernels.mla_decode import kernel as K
+
+BS, D, HALF, ROPE = 64, 576, 256, 64
+
+
+LAYOUTS = {
+    # the decode kernels' stage layout: 32-column tiles, 64-byte swizzle
+    "sw64": K.bf16_tile(),
+    "sw128": (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)),
+    "plain": (),  # row-major, as the benchmarks' gather ceiling
+}
+
+
+def build(variant: str, parts: int, n: int, stages: int, layout: str = "sw64"):
+  pair = variant != "once"
+  mc = variant == "multicast"
+  bf16 = LAYOUTS[layout]
+
+  def body(cache_ref, table_ref, o_ref, lat, rope, bar, *free):
+    p = lax.axis_index("p")
+    who = lax.axis_index("c") if mc else (lax.axis_index("g") if pair else 0)
+    coll = dict(collective_axes="c") if mc else {}
+
+    def issue(step, slot):
+      blk = table_ref[p, step]
+      for h in range(2):
+        plgpu.copy_gmem_to_smem(cache_ref.at[blk, :, pl.ds(HALF * h, HALF)], lat.at[slot, h], bar.at[slot], **coll)
+      plgpu.copy_gmem_to_smem(cache_ref.at[blk, :, pl.ds(2 * HALF, ROPE)], rope.at[slot], bar.at[slot], **coll)
+
+    for i in range(stages):
+      issue(i, i)
+
+    @pl.loop(0, n)
+    def _(step):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(bar.at[slot])
+      if mc:
+        plgpu.barrier_arrive(free[0].at[slot])
+
+      @pl.when(step + stages < n)
+      def _():
+        if mc:
+          plgpu.barrier_wait(free[0].at[slot])
+        issue(step + stages, slot)
+
+    if mc:  # no peer may arrive here once this CTA has exited
+      for i in range(stages):
+        plgpu.barrier_wait(free[0].at[(n - stages + i) % stages])
+
+    plgpu.copy_smem_to_gmem(rope.at[0], o_ref.at[p, who])
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = [
+      plgpu.SMEM((stages, 2, BS, HALF), jnp.bfloat16, transforms=bf16),
+      plgpu.SMEM((stages, BS, ROPE), jnp.bfloat16, transforms=bf16),
+      plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+  ]
+  if mc:
+    scratch.append(plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=1, num_barriers=stages))
+  kw = dict(grid=(parts,), grid_names=("p",))
+  if mc:
+    kw.update(cluster=(2,), cluster_names=("c",))
+  elif pair:
+    kw.update(grid=(parts, 2), grid_names=("p", "g"))
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((parts, 2, BS, ROPE), jnp.bfloat16),
+      scratch_types=scratch, kernel_name=f"probe_{variant}", **kw)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--lower-only", action="store_true")
+  ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64])
+  ap.add_argument("--layouts", nargs="+", default=["sw64"], choices=sorted(LAYOUTS))
+  args = ap.parse_args()
+  rows = []
+  for per in args.tiles:  # tiles per CTA in `once`
+    total = 132 * per
+    num_blocks = total + 1
+    rng = np.random.default_rng(per)
+    ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    cache = jax.random.normal(jax.random.key(per), (num_blocks, BS, D), jnp.bfloat16)
+    for variant in ("once", "twice", "multicast"):
+      parts = 132 if variant == "once" else 66
+      n = total // parts
+      table = jnp.asarray(ids.reshape(parts, n))
+      for stages, layout in [(st, lay) for lay in args.layouts for st in (2, 3)]:
+        f = jax.jit(build(variant, parts, n, stages, layout))
+        if args.lower_only:
+          f.trace(cache, table).lower(lowering_platforms=("cuda",))
+          print("lowered", variant, layout, stages)
+          continue
+        out = f(cache, table)
+        # Stage 0 holds the last tile of step % stages == 0, in every CTA.
+        want = cache[table[:, (n - 1) // stages * stages], :, 2 * HALF:]
+        ok = all(bool((out[:, w] == want).all()) for w in ((0,) if variant == "once" else (0, 1)))
+        _, t = measure(f, aggregate=False, iterations=5)(cache, table)
+        ms = float(np.median([sum(x for _, x in it) for it in t]))
+        delivered = total * BS * D * 2 * (1 if variant == "once" else 2)
+        rows.append((per, f"{variant}/{layout}", stages, ms * 1e3, delivered / (ms * 1e-3) / 1e12, ok))
+  if rows:
+    print(f"{'tiles':>5} {'variant':>16} {'stages':>6} {'us':>8} {'TB/s delivered':>15} ok")
+    for r in rows:
+      print(f"{r[0]:5d} {r[1]:>16} {r[2]:6d} {r[3]:8.1f} {r[4]:15.2f} {r[5]}")
+
+
+if __name__ == "__main__":
+  main()
