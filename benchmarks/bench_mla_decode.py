@@ -1,8 +1,7 @@
 """Dense paged MLA decode on the GPU: correctness check, then timings against ceilings.
 
-Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:depth][:sw64][:sw128] ...]
-(":mul" also times mask_mode="multiply", ":xla" the XLA reference, ":depth" the
-kernel with the QK split by depth, `MLADecodeConfig(qk_split="depth")`,
+Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:sw64][:sw128] ...]
+(":mul" also times mask_mode="multiply", ":xla" the XLA reference,
 ":sw64" / ":sw128" the kernel with the query and KV ring under the 64- or
 128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, each on the default's
 plan; the check runs every variant).
@@ -130,8 +129,7 @@ def table_for(rng, lens, num_blocks, max_blocks, bs=BS):
 
 
 # The kernel variants beside the default that a shape may time (":name").
-VARIANTS = {"depth": dict(qk_split="depth"), "sw64": dict(kv_swizzle=64),
-            "sw128": dict(kv_swizzle=128)}
+VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128)}
 
 
 def check_correctness(rng, variant="default"):
@@ -253,7 +251,7 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", nargs="*", default=None,
-                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:depth][:sw64][:sw128]")
+                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:sw64][:sw128]")
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)

@@ -5,11 +5,7 @@ must move (every selected row once, plus q and out), TFLOP/s, and the ratios
 against two figures measured in the same run: an XLA gather of the same rows
 fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
-  python benchmarks/bench_sparse_mla_decode.py [--quick] [--qk-split slots [depth]]
-
-With several `--qk-split` values each shape runs every one in the same run (the
-kernel's QK split by slots or by depth, `SparseMLADecodeConfig.qk_split`), and
-the NaN check runs each.
+  python benchmarks/bench_sparse_mla_decode.py [--quick]
 """
 
 from __future__ import annotations
@@ -58,19 +54,18 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _pallas_config(splits, batch, heads, qk_split="slots"):
+def _pallas_config(splits, batch, heads):
   """The kernel (not the XLA path) with `splits`, or the default split count if 0."""
   if splits:
-    return SparseMLADecodeConfig(num_splits=splits, implementation="pallas", qk_split=qk_split)
+    return SparseMLADecodeConfig(num_splits=splits, implementation="pallas")
   config = default_config(batch=batch, num_heads=heads, topk=TOPK)
-  return dataclasses.replace(config, implementation="pallas", qk_split=qk_split)
+  return dataclasses.replace(config, implementation="pallas")
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--splits", type=int, default=0, help="0: default config")
-  parser.add_argument("--qk-split", nargs="+", default=["slots"], choices=["slots", "depth"])
   args = parser.parse_args(argv)
   shapes = [(128, 64, 0.0), (128, 128, 0.0), (64, 64, 0.0), (128, 64, 0.25)]
   if args.quick:
@@ -79,6 +74,7 @@ def main(argv=None) -> int:
   ok = True
   for batch, heads, invalid in shapes:
     q, cache, idx = _inputs(batch, heads, invalid)
+    cfg = _pallas_config(args.splits, batch, heads)
     n_valid = int((idx >= 0).sum())
     kv_bytes = n_valid * 576 * 2
     io_bytes = q.size * 2 + batch * heads * 512 * 2
@@ -89,16 +85,15 @@ def main(argv=None) -> int:
         c.reshape(-1, 576)[jnp.maximum(i, 0)], axis=1, dtype=jnp.float32))
     t_ceil = _time(ceil, cache, idx)
     t_ref = _time(ref, q, cache, idx)
-    for qk_split, mode in [(k, m) for k in args.qk_split for m in ("select", "multiply")]:
-      cfg = _pallas_config(args.splits, batch, heads, qk_split)
-      fn = jax.jit(lambda q, c, i, mode=mode, cfg=cfg: sparse_mla_decode(
+    for mode in ("select", "multiply"):
+      fn = jax.jit(lambda q, c, i, mode=mode: sparse_mla_decode(
           q, c, i, sm_scale=SCALE, mask_mode=mode, config=cfg))
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
       ok &= good
       t = _time(fn, q, cache, idx)
-      rows.append((batch, heads, invalid, f"{mode}/{qk_split}", t * 1e6, (kv_bytes + io_bytes) / t / 1e12,
+      rows.append((batch, heads, invalid, mode, t * 1e6, (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
     print(f"b{batch} h{heads} inv{invalid}: ceiling {kv_bytes / t_ceil / 1e12:.2f} TB/s,"
@@ -111,22 +106,20 @@ def main(argv=None) -> int:
   used = jnp.zeros(NUM_BLOCKS * BLOCK_SIZE, bool).at[jnp.maximum(idx, 0)].set(True)
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
-  for qk_split in args.qk_split:
-    cfg = _pallas_config(args.splits, 16, 64, qk_split)
-    f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
-    clean, _ = f(cache, "select")
-    sel, _ = f(poisoned, "select")
-    mul, _ = f(poisoned, "multiply")
-    nan_rows = np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2))
-    nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
-        False] + [True] * 7 + [False] * 8
-    ok &= nan_ok
-    print(f"NaN poisoning ({qk_split}): select bit-equal to clean and multiply NaN rows as"
-          f" expected: {nan_ok}")
+  cfg = _pallas_config(args.splits, 16, 64)
+  f = lambda c, m: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
+  clean, _ = f(cache, "select")
+  sel, _ = f(poisoned, "select")
+  mul, _ = f(poisoned, "multiply")
+  nan_rows = np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2))
+  nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
+      False] + [True] * 7 + [False] * 8
+  ok &= nan_ok
+  print(f"NaN poisoning: select bit-equal to clean and multiply NaN rows as expected: {nan_ok}")
 
-  print("\nbatch heads invalid mode/qk_split       us     TB/s  TFLOP/s  ceilTB/s  %ceil  xRef  relerr ok")
+  print("\nbatch heads invalid mode      us     TB/s  TFLOP/s  ceilTB/s  %ceil  xRef  relerr ok")
   for r in rows:
-    print(f"{r[0]:5d} {r[1]:5d} {r[2]:7.2f} {r[3]:16s} {r[4]:7.1f} {r[5]:6.2f} {r[6]:7.1f}"
+    print(f"{r[0]:5d} {r[1]:5d} {r[2]:7.2f} {r[3]:8s} {r[4]:7.1f} {r[5]:6.2f} {r[6]:7.1f}"
           f" {r[7]:8.2f} {100 * r[8]:6.1f} {r[9]:5.1f} {r[10]:.1e} {r[11]}")
   return 0 if ok else 1
 

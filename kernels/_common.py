@@ -1,5 +1,4 @@
-"""Shared plumbing for every kernel: the interpret switch, tuned-config lookup and
-the one in-kernel primitive Pallas does not expose (a warpgroup barrier)."""
+"""Shared plumbing for every kernel: the interpret switch and tuned-config lookup."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from importlib import resources
 from typing import Any
 
 import jax
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -95,17 +93,3 @@ def load_tuning(op: str, kind: str) -> dict[str, Any] | None:
   if not path.is_file():
     return None
   return json.loads(path.read_text())
-
-
-def warpgroup_barrier() -> None:
-  """A barrier of this warpgroup's 128 threads alone (no memory fence).
-
-  Compiled kernels only (`plgpu.inline_mgpu`); in the interpreter
-  `plgpu.commit_smem` is a barrier of the warpgroup too.
-  """
-
-  @plgpu.inline_mgpu()
-  def _barrier(_ctx):
-    mgpu_utils.warpgroup_barrier()
-
-  _barrier()

@@ -61,11 +61,11 @@ def _poison(cache, table, seq_lens):
   return out, bad
 
 
-def _run(q, cache, table, seq_lens, *, splits, mask_mode="select", interpret=FAST, qk_split="slots"):
+def _run(q, cache, table, seq_lens, *, splits, mask_mode="select", interpret=FAST):
   return mla_decode(
       q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(seq_lens),
       sm_scale=SCALE, mask_mode=mask_mode,
-      config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, qk_split=qk_split),
+      config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1),
       interpret=interpret,
   )
 
@@ -246,8 +246,6 @@ def test_configs_valid():
     MLADecodeConfig(num_splits=0)
   with pytest.raises(ValueError, match="split_overhead_tiles"):
     MLADecodeConfig(split_overhead_tiles=-1)
-  with pytest.raises(ValueError, match="qk_split"):
-    MLADecodeConfig(qk_split="heads")
   with pytest.raises(ValueError, match="kv_swizzle"):
     MLADecodeConfig(kv_swizzle=32)
   # The tuned and heuristic configs stream one head group under the 128-byte
@@ -313,22 +311,19 @@ def test_profiler_needs_a_compiled_kernel():
         batch=1, heads_padded=64, num_parts=1, num_splits=1, block_size=64,
         sm_scale=0.1, select=True, interpret=object(), profile_dir="/tmp/trace",
     )
-  # The depth split's hand-off takes the SMEM the profiler's buffer needs.
-  with pytest.raises(ValueError, match="qk_split"):
+  with pytest.raises(ValueError, match="kv_swizzle"):
     kernel.build_kernel(
         batch=1, heads_padded=64, num_parts=1, num_splits=1, block_size=64,
-        sm_scale=0.1, select=True, interpret=None, profile_dir="/tmp/trace", qk_split="depth",
+        sm_scale=0.1, select=True, interpret=None, kv_swizzle=32,
     )
 
 
 @pytest.mark.parametrize(
-    "block_size, select, finish_rows, qk_split, kv_swizzle",
-    [(64, True, True, "slots", 64), (32, False, False, "slots", 64),
-     (128, True, False, "slots", 64), (64, True, True, "depth", 64),
-     (32, False, False, "depth", 64), (64, False, True, "slots", 128),
-     (32, True, False, "slots", 128)],
+    "block_size, select, finish_rows, kv_swizzle",
+    [(64, True, True, 64), (32, False, False, 64), (128, True, False, 64),
+     (64, False, True, 128), (32, True, False, 128), (128, False, False, 128)],
 )
-def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, qk_split, kv_swizzle):
+def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_swizzle):
   """The compiled kernels' own paths (the RoPE query in registers, the seeded
   accumulator) exist only for the GPU, where the interpreter cannot run them:
   lowering the decode and merge kernels for CUDA here catches a broken body on a
@@ -339,7 +334,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, qk_s
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits,
       block_size=block_size, sm_scale=SCALE, select=select, interpret=None,
-      finish_rows=finish_rows, qk_split=qk_split, kv_swizzle=kv_swizzle,
+      finish_rows=finish_rows, kv_swizzle=kv_swizzle,
   )
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   args = (
@@ -549,23 +544,22 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
 
 
 @pytest.mark.parametrize(
-    "heads,bs,qk_split,kv_swizzle",
-    [(128, 64, "depth", 64), (16, 32, "depth", 64),
-     (128, 64, "slots", 128), (16, 32, "slots", 128), (64, 128, "slots", 128)],
+    "heads,bs,kv_swizzle",
+    [(128, 64, 128), (16, 32, 128), (64, 128, 128), (16, 32, 64), (64, 64, 64)],
 )
-def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, qk_split, kv_swizzle):
-  """The kernel's variants beside the default: qk_split="depth" (each consumer
-  scores every slot of a tile over half the channels and the two exchange
-  partial sums through SMEM that P and the maxima reuse) and kv_swizzle=128
-  (64-column tiles; each consumer's PV over the whole P once both halves are
-  out). Parts of several segments (the hand-off buffers live across segment
-  ends and row sums), a cut row, lengths around the tile's edges, the race
-  detector on, poisoned tails and null block in both modes."""
+def test_both_swizzles_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle):
+  """Both layouts of the query and KV ring at every head count: kv_swizzle=64
+  (each consumer multiplies its own half of P in beside the other's softmax)
+  and 128 (64-column tiles; each consumer's PV over the whole P once both
+  halves are out), whichever the device's config would pick. Parts of
+  several segments (P and the maxima live across segment ends and row
+  sums), a cut row, lengths around the tile's edges, the race detector on,
+  poisoned tails and null block in both modes."""
   seq_lens = [1, BS - 1, BS + 1, 0, 3 * BS, 2 * BS - 3, 5 * BS + 7]
   q, cache, table, lens = _problem(31, seq_lens, heads, bs=bs)
   config = MLADecodeConfig(
       num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0,
-      qk_split=qk_split, kv_swizzle=kv_swizzle,
+      kv_swizzle=kv_swizzle,
   )
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, block_size=bs, config=config, num_sms=6)
   segs = _segments(plan, seq_lens)

@@ -35,10 +35,10 @@ def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
   return q, cache, idx
 
 
-def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, qk_split="slots"):
+def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET):
   return sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
-      config=SparseMLADecodeConfig(num_splits=splits, qk_split=qk_split),
+      config=SparseMLADecodeConfig(num_splits=splits),
   )
 
 
@@ -52,23 +52,20 @@ def _check(out, lse, ref_out, ref_lse):
 
 
 @pytest.mark.parametrize(
-    "heads, mode, splits, dup, qk_split",
+    "heads, mode, splits, dup",
     [
-        (16, "select", 1, False, "slots"),
-        (64, "multiply", 2, True, "slots"),
-        (128, "select", 1, True, "slots"),
-        # The QK split by depth (partial scores exchanged through SMEM).
-        (16, "select", 1, False, "depth"),
-        (128, "multiply", 2, True, "depth"),
+        (16, "select", 1, False),
+        (64, "multiply", 2, True),
+        (128, "select", 1, True),
     ],
 )
-def test_matches_reference(heads, mode, splits, dup, qk_split):
+def test_matches_reference(heads, mode, splits, dup):
   q, cache, idx = _inputs(
       heads, 2, heads, 64 * splits, dup=dup, dead_rows=(1,) if heads == 16 else ()
   )
   if heads == 16:  # float32 queries: one split writes the result in their dtype
     q = q.astype(jnp.float32)
-  out, lse = _run(q, cache, idx, mode, splits, qk_split=qk_split)
+  out, lse = _run(q, cache, idx, mode, splits)
   assert out.shape == (2, heads, 512) and out.dtype == q.dtype
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
   if heads == 16:  # the all-invalid row
@@ -78,20 +75,16 @@ def test_matches_reference(heads, mode, splits, dup, qk_split):
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
 
-@pytest.mark.parametrize(
-    "mode, qk_split", [("select", "slots"), ("multiply", "slots"), ("select", "depth")]
-)
-def test_long_index_list(mode, qk_split):
-  """Eight tiles of indices in one split: the producer's index ring wraps around
-  (and with qk_split="depth" the hand-off buffers are reused tile after tile)."""
+@pytest.mark.parametrize("mode", ["select", "multiply"])
+def test_long_index_list(mode):
+  """Eight tiles of indices in one split: the producer's index ring wraps around."""
   q, cache, idx = _inputs(11, 1, 16, 256, invalid=0.2 if mode == "select" else 0.0)
-  out, lse = _run(q, cache, idx, mode, qk_split=qk_split)
+  out, lse = _run(q, cache, idx, mode)
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
   _check(out, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("qk_split", ["slots", "depth"])
-def test_nan_poisoning(qk_split):
+def test_nan_poisoning():
   """NaN in slot 0 and in every slot no row indexes (values: no race detector)."""
   q, cache, idx = _inputs(7, 5, 16, 128, invalid=0.0, dead_rows=(3,))
   # Rows 1, 2 and 4 hold a -1, row 0 none; row 4's second split (of two) is all -1.
@@ -102,8 +95,8 @@ def test_nan_poisoning(qk_split):
   used[0] = False
   rows = cache.reshape(-1, 576)
   poisoned = jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
-  clean_out, clean_lse = _run(q, cache, idx, "select", interpret=FAST, qk_split=qk_split)
-  out, lse = _run(q, poisoned, idx, "select", interpret=FAST, qk_split=qk_split)
+  clean_out, clean_lse = _run(q, cache, idx, "select", interpret=FAST)
+  out, lse = _run(q, poisoned, idx, "select", interpret=FAST)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
@@ -115,14 +108,14 @@ def test_nan_poisoning(qk_split):
   want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
   np.testing.assert_array_equal(want, [False, True, True, False, True])
   for splits in (1, 2):
-    out, lse = _run(q, poisoned, idx, "multiply", splits=splits, interpret=FAST, qk_split=qk_split)
+    out, lse = _run(q, poisoned, idx, "multiply", splits=splits, interpret=FAST)
     nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
     np.testing.assert_array_equal(nan_rows, want)
     assert np.isfinite(np.asarray(out[0], np.float32)).all()
     assert (np.asarray(out[3], np.float32) == 0).all()  # no valid index at all
 
   zeroed = poisoned.at[0, 0].set(0)
-  out, lse = _run(q, zeroed, idx, "multiply", interpret=FAST, qk_split=qk_split)
+  out, lse = _run(q, zeroed, idx, "multiply", interpret=FAST)
   ref_out, ref_lse = sparse_mla_decode_reference(q, zeroed, idx, sm_scale=SCALE, mask_mode="multiply")
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
@@ -168,8 +161,6 @@ def test_config_validation():
     SparseMLADecodeConfig(num_splits=0)
   with pytest.raises(ValueError, match="implementation"):
     SparseMLADecodeConfig(implementation="triton")
-  with pytest.raises(ValueError, match="qk_split"):
-    SparseMLADecodeConfig(qk_split="heads")
 
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])
@@ -201,12 +192,8 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize(
-    "select, splits, heads, qk_split",
-    [(True, 1, 64, "slots"), (False, 2, 128, "slots"), (True, 1, 64, "depth"),
-     (False, 2, 128, "depth")],
-)
-def test_compiled_kernel_lowers_for_hopper(select, splits, heads, qk_split):
+@pytest.mark.parametrize("select, splits, heads", [(True, 1, 64), (False, 2, 128)])
+def test_compiled_kernel_lowers_for_hopper(select, splits, heads):
   """The compiled kernel's own path (the per-thread cp.async gather, the stage
   mbarriers, "multiply"'s warp reduction) exists only for the GPU, where the
   interpreter cannot run it: lowering it for CUDA here catches a broken body on a
@@ -216,7 +203,7 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, qk_split):
   batch, topk = 2, 64 * splits
   call = K.build_kernel(
       batch=batch, heads_padded=heads, topk=topk, num_splits=splits, sm_scale=SCALE,
-      select=select, interpret=None, qk_split=qk_split,
+      select=select, interpret=None,
   )
   args = (
       jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),
@@ -230,50 +217,3 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, qk_split):
     ops.append("nvvm.redux.sync")
   for op in ops:
     assert op in text, op
-
-
-def _reductions(jaxpr, out):
-  """(primitive, axes, operand shape) of every reduction in `jaxpr` and the
-  jaxprs inside its equations (the kernel body's among them)."""
-  from jax.extend import core as jex_core
-
-  def inner(v):
-    if isinstance(v, jex_core.ClosedJaxpr):
-      yield v.jaxpr
-    elif isinstance(v, jex_core.Jaxpr):
-      yield v
-    elif isinstance(v, (tuple, list)):
-      for x in v:
-        yield from inner(x)
-
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name.startswith(("reduce_", "arg", "cum")):
-      out.add((eqn.primitive.name, eqn.params.get("axes"), eqn.invars[0].aval.shape))
-    for value in eqn.params.values():
-      for sub in inner(value):
-        _reductions(sub, out)
-  return out
-
-
-@pytest.mark.parametrize("select", [True, False])
-def test_depth_split_kernel_needs_no_reduction_scratch(select):
-  """With qk_split="depth" the sparse kernel runs without Pallas's 2 KB of SMEM
-  for cross-warp reductions (`launch(reduction_scratch=False)`), which would
-  be out-of-bounds writes for a reduction that needed it. Every reduction in
-  the compiled body must be along the rows of a [64, n] wgmma-layout tile:
-  axis 1, inside each warp."""
-  from jaxkv.kernels.sparse_mla_decode import kernel as K
-
-  call = K.build_kernel(
-      batch=2, heads_padded=128, topk=128, num_splits=2, sm_scale=SCALE, select=select,
-      interpret=None, qk_split="depth",
-  )
-  args = (
-      jax.ShapeDtypeStruct((2, 128, 576), jnp.bfloat16),
-      jax.ShapeDtypeStruct((NUM_BLOCKS * BLOCK_SIZE, 576), jnp.bfloat16),
-      jax.ShapeDtypeStruct((2, 128), jnp.int32),
-  )
-  found = _reductions(jax.make_jaxpr(call)(*args).jaxpr, set())
-  assert found, "the walk found no reduction: it no longer reaches the kernel body"
-  for name, axes, shape in found:
-    assert axes == (1,) and len(shape) == 2 and shape[0] == 64, (name, axes, shape)

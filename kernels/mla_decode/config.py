@@ -9,8 +9,6 @@ from jaxkv.kernels._common import device_kind, load_tuning
 
 OP = "mla_decode"
 MAX_SPLITS = 256
-# How the kernel's consumers share a tile's QK (`MLADecodeConfig.qk_split`).
-QK_SPLITS = ("slots", "depth")
 # Byte widths of the query's and KV ring's SMEM swizzle (`MLADecodeConfig.kv_swizzle`).
 KV_SWIZZLES = (64, 128)
 
@@ -32,24 +30,18 @@ class MLADecodeConfig:
       (query load, pipeline restart, partial store and merge), in tiles; the
       plan balances parts on tiles plus this per segment. 0 balances tiles
       alone.
-    qk_split: how the kernel's two consumer warpgroups share a tile's QK:
-      "slots" (each scores half the slots over all 576 channels) or "depth"
-      (each scores every slot over half the channels, and they exchange
-      partial sums; `kernel.depth_scores`). Not a plan parameter: it changes
-      the kernel, whatever plan it runs.
     kv_swizzle: the byte width of the swizzle of the query and the KV ring
       in SMEM: 64 (32-column tiles; each consumer multiplies its own half
       of P into its values beside the other's softmax) or 128 (64-column
       tiles: TMA moves 128-byte rows, which stream faster, and each
-      consumer's PV runs once per tile over all of P; needs qk_split
-      "slots"). A kernel parameter, like qk_split.
+      consumer's PV runs once per tile over all of P). Not a plan
+      parameter: it changes the kernel, whatever plan it runs.
   """
 
   num_splits: int = 1
   ctas_per_sm: int = 1
   min_chunk_blocks: int = 8
   split_overhead_tiles: int = 4
-  qk_split: str = "slots"
   kv_swizzle: int = 64
 
   def __post_init__(self):
@@ -62,13 +54,8 @@ class MLADecodeConfig:
       raise ValueError(f"split_overhead_tiles={value!r} must be an int in [0, 1024]")
     if self.num_splits > MAX_SPLITS:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
-    if self.qk_split not in QK_SPLITS:
-      raise ValueError(f"qk_split={self.qk_split!r} must be one of {QK_SPLITS}")
     if self.kv_swizzle not in KV_SWIZZLES or isinstance(self.kv_swizzle, bool):
       raise ValueError(f"kv_swizzle={self.kv_swizzle!r} must be one of {KV_SWIZZLES}")
-    if self.kv_swizzle != 64 and self.qk_split != "slots":
-      raise ValueError(
-          f"kv_swizzle={self.kv_swizzle} needs qk_split='slots', got {self.qk_split!r}")
 
 
 def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADecodeConfig:

@@ -52,9 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels._common import warpgroup_barrier
-
-from .config import KV_SWIZZLES, QK_SPLITS
+from .config import KV_SWIZZLES
 from .reference import READ_TILE
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
@@ -110,7 +108,6 @@ def build_kernel(
     interpret,
     finish_rows: bool = False,
     profile_dir: str | None = None,
-    qk_split: str = "slots",
     kv_swizzle: int = 64,
 ):
   """Builds the kernel call.
@@ -145,12 +142,6 @@ def build_kernel(
   profiler, SM clock cycles; `benchmarks/profile_mla_decode.py` reads it).
   A warpgroup records at most `PROFILE_RANGES` of them.
 
-  `qk_split` (one of `config.QK_SPLITS`) chooses how the consumers share a
-  tile's QK: "slots" (`tile_scores`: each scores its 32 slots over all 576
-  channels, N = 32) or "depth" (`depth_scores`: each scores all 64 slots over
-  half the channels, N = 64, and they exchange partial sums); "depth" takes
-  7.5 KB more SMEM, which leaves none for the profiler.
-
   `kv_swizzle` (one of `config.KV_SWIZZLES`) is the byte width of the
   swizzle of the query and the KV ring in SMEM. At 64 (32-column tiles) each
   TMA copy moves 64-byte rows and each consumer multiplies P into its values
@@ -163,15 +154,8 @@ def build_kernel(
   assert block_size in BLOCK_SIZES
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
-  if qk_split not in QK_SPLITS:
-    raise ValueError(f"{qk_split=} must be one of {QK_SPLITS}")
-  if profile_dir and qk_split != "slots":
-    raise ValueError(f"profile_dir needs qk_split='slots' ({qk_split=} leaves no SMEM for it)")
   if kv_swizzle not in KV_SWIZZLES:
     raise ValueError(f"{kv_swizzle=} must be one of {KV_SWIZZLES}")
-  if kv_swizzle != 64 and qk_split != "slots":
-    raise ValueError(f"{kv_swizzle=} needs qk_split='slots', got {qk_split=}")
-  depth = qk_split == "depth"
   whole_pv = kv_swizzle == 128
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)
@@ -229,9 +213,9 @@ def build_kernel(
         whole = (part == row_part_ref[row]) & (lo == 0) & (hi == ntiles)
       return lo, hi - lo, split, whole
 
-    def scoped(q_lat, k_lat, k_rope, p_union, x_union,
+    def scoped(q_lat, k_lat, k_rope, p_smem, xchg,
                q_bar, kv_bar, free_bar, sync_bar, q_free_bar,
-               m0_bar, p0_bar, p1_bar, p0_free, p1_free, *extra_refs):
+               m0_bar, p0_bar, p1_bar, p0_free, p1_free, *interp_refs):
       # q_lat [2, 64, 256] bf16: the segment's latent query; k_lat [stages,
       # 2, 64, 256] and k_rope [stages, 64, 64] bf16: the KV ring; p_smem
       # [64, 64] bf16: P of the block (each consumer writes the 32 columns of
@@ -243,14 +227,6 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem at a segment's start and
       # moves to registers before the first P is written (which keeps SMEM
       # within the limit); the interpreter keeps it in its own buffer.
-      # With qk_split="depth" two unions (`seesaw_scratch`; SMEM is full):
-      # p_union is (p_smem, xs0), xs0 `[64, 32]` f32 (warpgroup 0's partial
-      # scores of slots 32-63) in p_smem's bytes, and x_union is (xchg, xs1),
-      # xs1 `[64, 32]` f32 (warpgroup 1's of slots 0-31) in the exchange
-      # rows' bytes; each hand-off is read before either warpgroup writes P
-      # or a maximum of the tile (`depth_scores`). The hand-off barriers
-      # x0_bar, x1_bar lead extra_refs.
-      p_smem, xchg, handoff, interp_refs = seesaw_refs(p_union, x_union, extra_refs, depth)
       q_rope_smem = interp_refs[0] if interp_refs else p_smem
       wg = lax.axis_index("wg")
 
@@ -355,13 +331,7 @@ def build_kernel(
           """One 64-slot tile: our half's scores (masked in a segment's last
           tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
-          if depth:
-            s = depth_scores(
-                wg, q_lat, q_rope, k_lat, k_rope, slot, *handoff,
-                compiled=interpret is None,
-            )
-          else:
-            s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own)
+          s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block, and at block size 32 a
@@ -475,14 +445,13 @@ def build_kernel(
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=kv),
         plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=kv),
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=kv),
-        *seesaw_scratch(depth),
+        *seesaw_scratch(),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3 * pieces, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
-        *handoff_barriers(depth),
         *([] if rope_in_regs else [
             plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=kv),
             seesaw_p_scratch(),
@@ -535,112 +504,13 @@ def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots):
   return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
 
 
-def partial_scores_smem():
-  """A `[64, 32]` float32 hand-off of partial scores (128-byte swizzled rows:
-  the wgmma-layout stores and loads hit every bank once)."""
-  return plgpu.SMEM(
-      (HEAD_TILE, SLOT_HALF), jnp.float32,
-      transforms=(plgpu.TilingTransform((8, SLOT_HALF)), plgpu.SwizzleTransform(4 * SLOT_HALF)),
-  )
-
-
-def seesaw_scratch(depth: bool):
+def seesaw_scratch():
   """The seesaw's P tile (`[64, 64]` bf16) and exchange rows (`[2, 64]` f32)
-  as scoped SMEM; with `depth`, each in a union with a partial-score hand-off
-  (`partial_scores_smem`), whose lifetimes `depth_scores` keeps apart. Returns
-  the two entries, in that order; `seesaw_refs` takes their refs apart."""
-  p_smem = plgpu.SMEM((HEAD_TILE, TILE), jnp.bfloat16, transforms=bf16_tile())
-  xchg = plgpu.SMEM((2, HEAD_TILE), jnp.float32)
-  if not depth:
-    return [p_smem, xchg]
-  return [plgpu.RefUnion(p_smem, partial_scores_smem()), plgpu.RefUnion(xchg, partial_scores_smem())]
-
-
-def handoff_barriers(depth: bool):
-  """With `depth`, the hand-off barriers of `depth_scores` (`x0_bar`, `x1_bar`,
-  one arrival each); none without."""
-  return [plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)] if depth else []
-
-
-def seesaw_refs(p_entry, x_entry, refs, depth: bool):
-  """The refs of `seesaw_scratch(depth)` (`p_entry`, `x_entry`) and of
-  `handoff_barriers(depth)` (leading `refs`), taken apart.
-
-  Returns `(p_smem, xchg, handoff, rest)`: handoff is `depth_scores`' `(xs,
-  x_bars)` (None without `depth`), rest the refs after the barriers.
-  """
-  if not depth:
-    return p_entry, x_entry, None, refs
-  (p_smem, xs0), (xchg, xs1) = p_entry, x_entry
-  x0_bar, x1_bar, *rest = refs
-  return p_smem, xchg, ((xs0, xs1), (x0_bar, x1_bar)), rest
-
-
-def depth_partial_scores(wg: int, q_lat, q_rope, k_lat, k_rope, stage):
-  """Warpgroup wg's share of a tile's scores split by depth: `[64, 64]` float32
-  over all the stage's slots, summed over latent half wg (and, for warpgroup 0,
-  the RoPE part). Operands as in `tile_scores` (the query read through the
-  same opaque index)."""
-  def qk(s_ref):
-    q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
-    plgpu.wgmma(s_ref, q.at[wg], k_lat.at[stage, wg].T)
-    if wg == 0:
-      plgpu.wgmma(s_ref, q_rope, k_rope.at[stage].T)
-    return s_ref[...]
-
-  return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, TILE), jnp.float32))
-
-
-def depth_scores(wg: int, q_lat, q_rope, k_lat, k_rope, stage, xs, x_bars, *, compiled: bool):
-  """This warpgroup's `[64, 32]` float32 scores (slots `[32 wg, 32 wg + 32)`),
-  the QK split by contraction depth instead of by slots.
-
-  Warpgroup w scores all 64 slots of the stage over its latent half (`q_lat[w]`
-  against `k_lat[stage, w]`, N = 64), warpgroup 0 also over the RoPE part: each
-  query half is read from SMEM once per tile instead of the whole query by
-  both (N = 32 reads the A operand twice as often per FLOP). Each then hands
-  the other the half of its sums that the other softmaxes and adds the half
-  it receives. Order (each barrier completes once per tile):
-  warpgroup 1 stores its half for 0 in `xs[1]` and arrives on `x_bars[1]`;
-  warpgroup 0 waits for it (so warpgroup 1 is past its reads of `p_smem`,
-  which `xs[0]` aliases: the RoPE query and the last tile's P), stores its
-  half in `xs[0]`, arrives on `x_bars[0]` and reads `xs[1]`; warpgroup 1
-  waits and reads `xs[0]`, then syncs its own threads before any of them
-  writes P over those bytes. `xs[1]` aliases the seesaw's exchange rows,
-  whose last reads (warpgroup 0's of m1, the segment end's row sums) come
-  before warpgroup 1's next QK; warpgroup 0 reads `xs[1]` before it writes
-  m0. A buffer is rewritten a tile later only after the seesaw's barriers
-  ordered its read (warpgroup 0 reads `xs[1]` before it hands on m0, which
-  warpgroup 1 waits for before its next QK; warpgroup 1 reads `xs[0]` before
-  it hands on P1, which warpgroup 0 waits for before its next QK); the
-  caller's `commit_smem` before the stage's release orders these plain
-  accesses before the async refills (the RoPE query's copy into `p_smem`).
-  """
-  s = depth_partial_scores(wg, q_lat, q_rope, k_lat, k_rope, stage)
-  keep = s[:, wg * SLOT_HALF:(wg + 1) * SLOT_HALF]
-  give = s[:, (1 - wg) * SLOT_HALF:(2 - wg) * SLOT_HALF]
-  (xs0, xs1), (x0_bar, x1_bar) = xs, x_bars
-  load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-  # Where a view's bytes pass between this warpgroup's own threads (read
-  # through one view, then written through the other by another thread), a
-  # barrier of the warpgroup orders them; the interpreter runs a warpgroup
-  # as one thread.
-  sync = warpgroup_barrier if compiled else (lambda: None)
-  if wg == 1:
-    sync()  # our reads of the exchange rows (m0, row sums) are done
-    xs1[...] = give
-    plgpu.barrier_arrive(x1_bar)
-    plgpu.barrier_wait(x0_bar)
-    got = load(xs0)
-    sync()  # before any of us writes P over xs0
-  else:
-    plgpu.barrier_wait(x1_bar)
-    sync()  # our reads of p_smem (the RoPE query) are done
-    xs0[...] = give
-    plgpu.barrier_arrive(x0_bar)
-    got = load(xs1)
-    sync()  # before any of us writes m0 over xs1
-  return keep + got
+  as scoped SMEM, in that order."""
+  return [
+      plgpu.SMEM((HEAD_TILE, TILE), jnp.bfloat16, transforms=bf16_tile()),
+      plgpu.SMEM((2, HEAD_TILE), jnp.float32),
+  ]
 
 
 def softmax_start(cols):
@@ -936,8 +806,7 @@ def split_outputs(batch, num_splits, heads_padded):
   )
 
 
-def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None,
-           reduction_scratch: bool = True):
+def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None):
   """The launch of both MLA decode kernels: three warpgroups ("wg") per CTA.
 
   The last grid axis varies fastest: make it the head group, so that the
@@ -954,11 +823,6 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
     interpret: None (compiled) or the interpreter's parameters.
     profile_dir: where the in-kernel profiler writes each call's trace (it
       records `PROFILE_RANGES` ranges per warpgroup; None: no profiler).
-    reduction_scratch: whether Pallas reserves its 2 KB of SMEM for
-      reductions across warps. The MLA kernels' reductions are along the rows
-      of wgmma-layout tiles, inside each warp, and never use it (a test walks
-      the kernels' reductions); without it the sparse kernel's depth split
-      fits in SMEM.
 
   Returns:
     The kernel call.
@@ -972,7 +836,6 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, unsafe_no_auto_barriers=True,
-          **({} if reduction_scratch else dict(reduction_scratch_bytes=0)),
           **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
                   profile_bounds_check=True) if profile_dir else {}),
       ),

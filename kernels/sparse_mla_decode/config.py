@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 from jaxkv.kernels._common import device_kind, load_tuning
-from jaxkv.kernels.mla_decode.config import QK_SPLITS
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
@@ -27,13 +26,10 @@ class SparseMLADecodeConfig:
       (the Mosaic GPU kernel, the default; needs a Hopper GPU) or "xla" (the
       jnp reference: any device, 2-3x slower on an H200). Interpreted calls
       always run the kernel.
-    qk_split: how the kernel's two consumer warpgroups share a tile's QK, as
-      in dense decode (`MLADecodeConfig.qk_split`): "slots" or "depth".
   """
 
   num_splits: int = 1
   implementation: str = "pallas"
-  qk_split: str = "slots"
 
   def __post_init__(self):
     value = self.num_splits
@@ -43,8 +39,6 @@ class SparseMLADecodeConfig:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
-    if self.qk_split not in QK_SPLITS:
-      raise ValueError(f"qk_split={self.qk_split!r} must be one of {QK_SPLITS}")
 
 
 def heuristic_config(

@@ -216,8 +216,7 @@ def zero_fill(*refs, transforms) -> None:
 
 
 def init_barriers(bars, *, arrivals: int) -> None:
-  """Initialises the mbarriers in `bars` (`[n, 2]`, or flat `[2 n]`, int32 SMEM
-  ref, 8 bytes each, 8-byte aligned).
+  """Initialises the mbarriers in `bars` (`[n, 2]` int32 SMEM ref, 8 bytes each).
 
   Called by one warpgroup (its first thread initialises), compiled only;
   other threads may use the barriers once a barrier (a warpgroup barrier, or
@@ -235,8 +234,7 @@ def init_barriers(bars, *, arrivals: int) -> None:
         mgpu_utils.c(0, i32),
     )
     base = mgpu_utils.memref_ptr(bars_ref)
-    shape = ir.MemRefType(bars_ref.type).shape
-    for k in range(shape[0] if len(shape) == 2 else shape[0] // 2):
+    for k in range(ir.MemRefType(bars_ref.type).shape[0]):
       nvvm.mbarrier_init(
           mgpu_utils.getelementptr(base, [8 * k], i8),
           mgpu_utils.c(arrivals, i32),
@@ -262,3 +260,13 @@ def wait_barrier(bar, *, parity: int) -> None:
     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
   _wait(bar)
+
+
+def warpgroup_barrier() -> None:
+  """A barrier of this warpgroup's 128 threads alone (no memory fence)."""
+
+  @plgpu.inline_mgpu()
+  def _barrier(_ctx):
+    mgpu_utils.warpgroup_barrier()
+
+  _barrier()

@@ -59,29 +59,25 @@ from jaxkv.kernels.mla_decode.kernel import (
     ROPE,
     SLOT_HALF,
     bf16_tile,
-    depth_scores,
-    handoff_barriers,
     launch,
     seesaw_barriers,
     seesaw_begin,
     seesaw_end,
     seesaw_p_scratch,
     seesaw_pv,
-    seesaw_refs,
     seesaw_row_sums,
-    seesaw_scratch,
     seesaw_tile,
     softmax_finish,
     softmax_start,
     split_outputs,
     tile_scores,
 )
-from jaxkv.kernels._common import warpgroup_barrier
-from jaxkv.kernels.sparse_mla_decode.config import QK_SPLITS, TILE
+from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
     init_barriers,
     issue_gather,
     wait_barrier,
+    warpgroup_barrier,
     zero_fill,
 )
 
@@ -111,7 +107,6 @@ def build_kernel(
     select: bool,
     interpret,
     out_dtype=jnp.float32,
-    qk_split: str = "slots",
 ):
   """Builds the kernel call.
 
@@ -124,17 +119,8 @@ def build_kernel(
   `combine_splits`. With one split they are the result itself, with no split
   axis: o `[batch, heads_padded, 512]` in `out_dtype` (0 where a row has no
   valid index) and lse `[batch, heads_padded]` f32.
-
-  `qk_split`: how the consumers share a tile's QK, "slots" or "depth", as in
-  dense decode (`mla_decode.kernel.depth_scores`). "depth" needs the SMEM of
-  Pallas's reduction scratch (unused here) and of two 1 KB allocations, which
-  it saves by packing the stage indices, the landing barriers and
-  "multiply"'s scratch into one.
   """
   assert topk % (TILE * num_splits) == 0
-  if qk_split not in QK_SPLITS:
-    raise ValueError(f"{qk_split=} must be one of {QK_SPLITS}")
-  depth = qk_split == "depth"
   num_tiles = topk // (TILE * num_splits)  # per split, static
   scale_log2 = float(sm_scale) * _LOG2E
   dtype = jnp.bfloat16
@@ -155,7 +141,7 @@ def build_kernel(
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     tok0 = split * (num_tiles * TILE)
 
-    def scoped(q_lat, k_lat, k_rope, p_union, x_union, ids, small,
+    def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
                q_bar, idx_bar, free_bar, sync_bar,
                m0_bar, p0_bar, p1_bar, p0_free, p1_free, *extra_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
@@ -172,26 +158,13 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
-      # With qk_split="depth": p_union is (p_smem, xs0) and x_union (xchg,
-      # xs1), as in dense decode; the hand-off barriers x0_bar, x1_bar lead
-      # extra_refs; `small` [stages + 1, 64] int32 holds stage_idx in its
-      # first rows and, compiled, landed (flat, [2 * stages]) and scratch in
-      # its last (one 1 KB allocation instead of three).
-      p_smem, xchg, handoff, extra_refs = seesaw_refs(p_union, x_union, extra_refs, depth)
-      stage_idx = small.at[pl.ds(0, NUM_STAGES)] if depth else small
       if compiled:
-        if depth:
-          landed_all = small.at[NUM_STAGES, pl.ds(0, 2 * NUM_STAGES)]
-          landed_at = lambda stage: landed_all.at[pl.ds(2 * stage, 2)]
-          scratch = None if select else small.at[NUM_STAGES, pl.ds(2 * NUM_STAGES, 4)]
-        else:
-          landed_all, *rest = extra_refs
-          landed_at = lambda stage: landed_all.at[stage]
-          scratch = rest[0] if rest else None
+        landed, *rest = extra_refs
+        scratch = rest[0] if rest else None
         q_rope_smem, ready_bar, p_scratch = p_smem, None, None
       else:
         q_rope_smem, ready_bar, p_scratch = extra_refs
-        landed_all = landed_at = scratch = None
+        landed = scratch = None
       wg = lax.axis_index("wg")
 
       @pl.when(wg == 2)
@@ -200,7 +173,7 @@ def build_kernel(
         if compiled:
           # Before the query's copy: the consumers' wait on it orders their
           # first wait on a stage after this.
-          init_barriers(landed_all, arrivals=128)
+          init_barriers(landed, arrivals=128)
         for h in range(2):
           plgpu.copy_gmem_to_smem(
               q_ref.at[b, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
@@ -237,7 +210,7 @@ def build_kernel(
           if compiled:
             issue_gather(
                 ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
-                tile_idx, stage_idx.at[stage], landed_at(stage), scratch,
+                tile_idx, stage_idx.at[stage], landed.at[stage], scratch,
                 tile=TILE, transforms=bf16, null_once=not select,
             )
           else:
@@ -313,7 +286,7 @@ def build_kernel(
             parity = lax.rem(i // NUM_STAGES, 2)
             for ph in range(2):
               pl.when(parity == ph)(
-                  lambda ph=ph: wait_barrier(landed_at(stage), parity=ph)
+                  lambda ph=ph: wait_barrier(landed.at[stage], parity=ph)
               )
           else:
             plgpu.barrier_wait(ready_bar.at[stage])
@@ -321,10 +294,7 @@ def build_kernel(
           # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
-          if depth:
-            s = depth_scores(wg, q_lat, q_rope, k_lat, k_rope, stage, *handoff, compiled=compiled)
-          else:
-            s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots)
+          s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots)
           valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
           s = jnp.where(valid, s * scale_log2, -jnp.inf)
           # m starts at a finite floor below any score, so a row with no
@@ -360,7 +330,7 @@ def build_kernel(
         pl.when(wg == w)(lambda w=w: consumer(w))
 
     if compiled:
-      extra = [] if depth else [
+      extra = [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
           *([] if select else [plgpu.SMEM((4,), jnp.int32)]),
       ]
@@ -377,15 +347,15 @@ def build_kernel(
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
-        *seesaw_scratch(depth),
+        plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
+        plgpu.SMEM((2, HEAD_TILE), jnp.float32),
         plgpu.SMEM((IDX_STAGES, TILE), jnp.int32),
-        plgpu.SMEM((NUM_STAGES + depth, TILE), jnp.int32),
+        plgpu.SMEM((NUM_STAGES, TILE), jnp.int32),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
-        *handoff_barriers(depth),
         *extra,
         collective_axes="wg",
     )
@@ -403,5 +373,4 @@ def build_kernel(
       ),
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
-      reduction_scratch=not depth,
   )

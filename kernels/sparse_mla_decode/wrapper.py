@@ -85,7 +85,6 @@ def sparse_mla_decode(
         sm_scale=float(sm_scale),
         select=mask_mode == "select",
         num_splits=config.num_splits,
-        qk_split=config.qk_split,
         interpret=interpret,
     )
 
@@ -127,9 +126,9 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "select", "num_splits", "interpret", "qk_split")
+    jax.jit, static_argnames=("sm_scale", "select", "num_splits", "interpret")
 )
-def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, interpret, qk_split):
+def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, interpret):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
   qp = q.astype(jnp.bfloat16)
@@ -145,7 +144,6 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       select=select,
       interpret=interpret,
       out_dtype=q.dtype,
-      qk_split=qk_split,
   )
   o, lse = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, hp, 512], [b, hp]
