@@ -1,9 +1,11 @@
 """Dense paged MLA decode on the GPU: correctness check, then timings against ceilings.
 
-Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:sw64][:sw128] ...]
+Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:VARIANT] ...]
 (":mul" also times mask_mode="multiply", ":xla" the XLA reference,
 ":sw64" / ":sw128" the kernel with the query and KV ring under the 64- or
-128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, each on the default's
+128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, ":qr0" / ":qr64" / ":qr128"
+with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`:
+each the shape's default config with that field replaced, on the default's
 plan; the check runs every variant).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
@@ -16,6 +18,7 @@ disjoint blocks so that L2 never serves a repeat.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 
@@ -33,6 +36,7 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_plan,
     mla_decode_reference,
 )
+from jaxkv.kernels.mla_decode.config import default_config
 
 BS = 64
 D = 576
@@ -129,7 +133,9 @@ def table_for(rng, lens, num_blocks, max_blocks, bs=BS):
 
 
 # The kernel variants beside the default that a shape may time (":name").
-VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128)}
+# Each replaces these fields of the shape's default config (tuned or heuristic).
+VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
+            "qr0": dict(q_regs=0), "qr64": dict(q_regs=64), "qr128": dict(q_regs=128)}
 
 
 def check_correctness(rng, variant="default"):
@@ -226,7 +232,7 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
     if not res.get("names"):
       res["names"] = sorted({nm[:40] for nm, _ in names})
   for name in variants:  # the same plan, another kernel variant
-    cfg = MLADecodeConfig(**VARIANTS[name])
+    cfg = dataclasses.replace(default_config(batch=batch, num_heads=heads), **VARIANTS[name])
     fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg: [
         mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p, config=cfg) for t in ts])
     ms, names = timed(fn, q, cache, tables, lens, plan)
@@ -251,7 +257,7 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", nargs="*", default=None,
-                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:sw64][:sw128]")
+                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:sw64|:sw128][:qr0|:qr64|:qr128]")
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)

@@ -248,14 +248,18 @@ def test_configs_valid():
     MLADecodeConfig(split_overhead_tiles=-1)
   with pytest.raises(ValueError, match="kv_swizzle"):
     MLADecodeConfig(kv_swizzle=32)
+  with pytest.raises(ValueError, match="q_regs"):
+    MLADecodeConfig(q_regs=96)
   # The tuned and heuristic configs stream one head group under the 128-byte
-  # swizzle and keep the 64-byte one where two head groups bind the chain.
+  # swizzle; two head groups, bound by the chain, keep the 64-byte one and
+  # hold 128 query channels in registers.
   for batch in (1, 8, 128):
-    assert heuristic_config(batch=batch, num_heads=64).kv_swizzle == 128
-    assert heuristic_config(batch=batch, num_heads=128).kv_swizzle == 64
+    one, two = (heuristic_config(batch=batch, num_heads=h) for h in (64, 128))
+    assert (one.kv_swizzle, one.q_regs, two.kv_swizzle, two.q_regs) == (128, 0, 64, 128)
   for entry in entries:
-    want = 128 if max(entry["heads"]) <= 64 else 64
-    assert MLADecodeConfig(**entry["config"]).kv_swizzle == want, entry
+    config = MLADecodeConfig(**entry["config"])
+    want = (128, 0) if max(entry["heads"]) <= 64 else (64, 128)
+    assert (config.kv_swizzle, config.q_regs) == want, entry
 
 
 def _bad_plan(**change):
@@ -316,14 +320,19 @@ def test_profiler_needs_a_compiled_kernel():
         batch=1, heads_padded=64, num_parts=1, num_splits=1, block_size=64,
         sm_scale=0.1, select=True, interpret=None, kv_swizzle=32,
     )
+  with pytest.raises(ValueError, match="q_regs"):
+    kernel.build_kernel(
+        batch=1, heads_padded=64, num_parts=1, num_splits=1, block_size=64,
+        sm_scale=0.1, select=True, interpret=None, q_regs=256,
+    )
 
 
 @pytest.mark.parametrize(
-    "block_size, select, finish_rows, kv_swizzle",
-    [(64, True, True, 64), (32, False, False, 64), (128, True, False, 64),
-     (64, False, True, 128), (32, True, False, 128), (128, False, False, 128)],
+    "block_size, select, finish_rows, kv_swizzle, q_regs",
+    [(64, True, True, 64, 0), (32, False, False, 64, 128), (128, True, False, 64, 64),
+     (64, False, True, 128, 0), (32, True, False, 128, 64), (128, False, False, 128, 128)],
 )
-def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_swizzle):
+def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_swizzle, q_regs):
   """The compiled kernels' own paths (the RoPE query in registers, the seeded
   accumulator) exist only for the GPU, where the interpreter cannot run them:
   lowering the decode and merge kernels for CUDA here catches a broken body on a
@@ -334,7 +343,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits,
       block_size=block_size, sm_scale=SCALE, select=select, interpret=None,
-      finish_rows=finish_rows, kv_swizzle=kv_swizzle,
+      finish_rows=finish_rows, kv_swizzle=kv_swizzle, q_regs=q_regs,
   )
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   args = (
@@ -544,22 +553,25 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
 
 
 @pytest.mark.parametrize(
-    "heads,bs,kv_swizzle",
-    [(128, 64, 128), (16, 32, 128), (64, 128, 128), (16, 32, 64), (64, 64, 64)],
+    "heads,bs,kv_swizzle,q_regs",
+    [(128, 64, 128, 0), (16, 32, 128, 64), (64, 128, 128, 128), (16, 32, 64, 0),
+     (64, 64, 64, 128), (128, 128, 64, 64)],
 )
-def test_both_swizzles_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle):
-  """Both layouts of the query and KV ring at every head count: kv_swizzle=64
-  (each consumer multiplies its own half of P in beside the other's softmax)
-  and 128 (64-column tiles; each consumer's PV over the whole P once both
-  halves are out), whichever the device's config would pick. Parts of
-  several segments (P and the maxima live across segment ends and row
-  sums), a cut row, lengths around the tile's edges, the race detector on,
-  poisoned tails and null block in both modes."""
+def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle, q_regs):
+  """The kernel's variants at every head count, whichever the device's config
+  would pick: both layouts of the query and KV ring (kv_swizzle=64: each
+  consumer multiplies its own half of P in beside the other's softmax; 128:
+  64-column tiles, each consumer's PV over the whole P once both halves are
+  out) and the query's first channels fed from apart (q_regs; registers when
+  compiled, the same SMEM slice here). Parts of several segments (P and the
+  maxima live across segment ends and row sums), a cut row, lengths around
+  the tile's edges, the race detector on, poisoned tails and null block in
+  both modes."""
   seq_lens = [1, BS - 1, BS + 1, 0, 3 * BS, 2 * BS - 3, 5 * BS + 7]
   q, cache, table, lens = _problem(31, seq_lens, heads, bs=bs)
   config = MLADecodeConfig(
       num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0,
-      kv_swizzle=kv_swizzle,
+      kv_swizzle=kv_swizzle, q_regs=q_regs,
   )
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, block_size=bs, config=config, num_sms=6)
   segs = _segments(plan, seq_lens)

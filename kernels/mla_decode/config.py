@@ -11,6 +11,8 @@ OP = "mla_decode"
 MAX_SPLITS = 256
 # Byte widths of the query's and KV ring's SMEM swizzle (`MLADecodeConfig.kv_swizzle`).
 KV_SWIZZLES = (64, 128)
+# Latent query channels the consumers keep in registers (`MLADecodeConfig.q_regs`).
+Q_REGS = (0, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,10 @@ class MLADecodeConfig:
       tiles: TMA moves 128-byte rows, which stream faster, and each
       consumer's PV runs once per tile over all of P). Not a plan
       parameter: it changes the kernel, whatever plan it runs.
+    q_regs: how many of the query's latent channels each consumer holds in
+      registers for its QK (0, 64 or 128; `q_regs / 4` registers per
+      thread), so that the QK reads that much less of the query from SMEM.
+      A kernel parameter, like kv_swizzle.
   """
 
   num_splits: int = 1
@@ -43,6 +49,7 @@ class MLADecodeConfig:
   min_chunk_blocks: int = 8
   split_overhead_tiles: int = 4
   kv_swizzle: int = 64
+  q_regs: int = 0
 
   def __post_init__(self):
     for name in ("num_splits", "ctas_per_sm", "min_chunk_blocks"):
@@ -56,6 +63,8 @@ class MLADecodeConfig:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
     if self.kv_swizzle not in KV_SWIZZLES or isinstance(self.kv_swizzle, bool):
       raise ValueError(f"kv_swizzle={self.kv_swizzle!r} must be one of {KV_SWIZZLES}")
+    if self.q_regs not in Q_REGS or isinstance(self.q_regs, bool):
+      raise ValueError(f"q_regs={self.q_regs!r} must be one of {Q_REGS}")
 
 
 def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADecodeConfig:
@@ -74,8 +83,10 @@ def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADe
       ctas_per_sm=1,
       min_chunk_blocks=16,
       # One head group streams (faster under the 128-byte swizzle); two are
-      # bound by the consumers' chain, which the 64-byte one keeps shorter.
+      # bound by the consumers' chain, which the 64-byte one keeps shorter
+      # and the query's first 128 channels in registers shorten further.
       kv_swizzle=128 if head_groups == 1 else 64,
+      q_regs=0 if head_groups == 1 else 128,
   )
 
 

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .config import KV_SWIZZLES
+from .config import KV_SWIZZLES, Q_REGS
 from .reference import READ_TILE
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
@@ -109,6 +109,7 @@ def build_kernel(
     finish_rows: bool = False,
     profile_dir: str | None = None,
     kv_swizzle: int = 64,
+    q_regs: int = 0,
 ):
   """Builds the kernel call.
 
@@ -150,12 +151,20 @@ def build_kernel(
   which stream ~25% faster from HBM into a two-stage ring
   (`benchmarks/probe_multicast.py`); wgmma then takes K in steps of 64, so
   each consumer's PV runs once per tile, over both halves of P.
+
+  `q_regs` (one of `config.Q_REGS`): how many of the query's latent channels
+  (from channel 0) each consumer keeps in registers for a segment and feeds
+  its QK's wgmmas from there (`tile_scores(q_head=)`), so that the QK, bound
+  by its SMEM reads (both consumers read all of Q every tile), reads that
+  much less; `q_regs / 4` registers per thread beside the accumulator.
   """
   assert block_size in BLOCK_SIZES
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   if kv_swizzle not in KV_SWIZZLES:
     raise ValueError(f"{kv_swizzle=} must be one of {KV_SWIZZLES}")
+  if q_regs not in Q_REGS:
+    raise ValueError(f"{q_regs=} must be one of {Q_REGS}")
   whole_pv = kv_swizzle == 128
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)
@@ -327,11 +336,11 @@ def build_kernel(
               v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
           plgpu.commit_smem()  # the wgmmas below read the cleaned rows
 
-        def tile(i, carry, slot, *, row, lo, q_rope, last: bool):
+        def tile(i, carry, slot, *, row, lo, q_rope, q_head, last: bool):
           """One 64-slot tile: our half's scores (masked in a segment's last
           tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
-          s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own)
+          s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own, q_head=q_head)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block, and at block size 32 a
@@ -388,13 +397,21 @@ def build_kernel(
               q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA)
             else:
               q_rope = q_rope_smem
+            # With `q_regs`, the query's first latent channels too (q_regs / 4
+            # per thread), for the whole segment; the interpreter reads the
+            # same slice from SMEM.
+            q_head = None
+            if q_regs:
+              q_head = q_lat.at[0, :, pl.ds(0, q_regs)]
+              if rope_in_regs:
+                q_head = plgpu.load(q_head, layout=plgpu.Layout.WGMMA)
 
             def step(i, carry, *, last: bool):
               slot = lax.rem(steps + i, NUM_STAGES)
               with jax.named_scope("kv_wait"):
                 plgpu.barrier_wait(kv_bar.at[slot])
               with jax.named_scope("last_tile" if last else "tile"):
-                return tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, last=last)
+                return tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, q_head=q_head, last=last)
 
             carry = lax.fori_loop(
                 0, n - 1, functools.partial(step, last=False), softmax_start(HALF)
@@ -477,12 +494,14 @@ def build_kernel(
   )
 
 
-def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots):
+def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=None):
   """S = Q K^T over a KV stage's `slots` (32 of them): `[64, 32]` float32, 576 deep.
 
   The QK of both decode kernels. `q_lat` `[2, 64, 256]` bf16 SMEM, `q_rope`
   `[64, 64]` bf16 (registers, or SMEM in the interpreter), `k_lat` `[stages,
-  2, 64, 256]` and `k_rope` `[stages, 64, 64]` bf16 SMEM.
+  2, 64, 256]` and `k_rope` `[stages, 64, 64]` bf16 SMEM. `q_head`, when
+  given, is `q_lat[0, :, :d]` (`[64, d]` bf16, registers or SMEM), which the
+  first wgmma then takes instead of the SMEM copy.
 
   The query's address is the same for every tile, so LLVM would hoist the
   21 wgmma descriptors of its 32-column tiles out of the tile loop, where
@@ -496,6 +515,13 @@ def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots):
   """
   def qk(s_ref):
     q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
+    if q_head is not None:
+      d = q_head.shape[1]
+      plgpu.wgmma(s_ref, q_head, k_lat.at[stage, 0, slots, pl.ds(0, d)].T)
+      plgpu.wgmma(s_ref, q.at[0, :, pl.ds(d, HALF - d)], k_lat.at[stage, 0, slots, pl.ds(d, HALF - d)].T)
+      plgpu.wgmma(s_ref, q.at[1], k_lat.at[stage, 1, slots].T)
+      plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
+      return s_ref[...]
     for h in range(2):
       plgpu.wgmma(s_ref, q.at[h], k_lat.at[stage, h, slots].T)
     plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)

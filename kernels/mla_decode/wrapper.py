@@ -112,7 +112,7 @@ def mla_decode(
     plan: the split plan of this step from `mla_decode_plan`; computed here
       when None.
     config: tuning config: the plan's parameters when `plan` is None, and
-      the kernel's `kv_swizzle` either way (the device's tuned or heuristic
+      the kernel's `kv_swizzle` and `q_regs` either way (the device's tuned or heuristic
       config when None).
     interpret: see `jaxkv.kernels._common.resolve_interpret`.
 
@@ -132,13 +132,14 @@ def mla_decode(
     return _mla_decode(
         q, cache, block_table, seq_lens, plan,
         sm_scale=float(sm_scale), select=mask_mode == "select",
-        interpret=interpret, kv_swizzle=config.kv_swizzle,
+        interpret=interpret, kv_swizzle=config.kv_swizzle, q_regs=config.q_regs,
     )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle"))
-def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle):
+    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs"))
+def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
+                q_regs):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -156,6 +157,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
+      q_regs=q_regs,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)
