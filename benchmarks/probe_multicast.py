@@ -1,23 +1,28 @@
-"""Probe: can two head groups share one KV stream (a cluster of two, TMA multicast)?
+"""Probe: how fast a ring of KV tiles streams, by stage layout, ring depth and sharing.
 
-Usage: python benchmarks/probe_multicast.py [--lower-only]
+Usage: python benchmarks/probe_multicast.py [--lower-only] [--tiles N ...]
+                                            [--layouts sw64 sw128 plain]
 
-At 128 heads the decode kernel runs two CTAs per part (one per 64-head group),
-side by side, each loading the same KV tiles: the HBM reads them once, the L2
-serves them twice. This probe streams the same 64-slot tiles (two latent halves
-and the RoPE part, into the kernel's swizzled stage layout, a ring of two or
-three stages) with no compute, three ways, over the same blocks:
+132 CTAs stream 64-slot tiles of random cache blocks (two latent halves and
+the RoPE part, three TMA copies per tile) into a ring of two or three stages,
+with no compute, three ways over the same blocks:
 
 - `once`: one CTA per part, 132 parts (each tile read once; the gather ceiling).
 - `twice`: 66 parts, two CTAs each reading the part's tiles (the grid's last
-  axis, as the decode kernel's head groups): every tile delivered twice.
+  axis, as the decode kernel's head groups at 128 heads): every tile
+  delivered twice, the second time from L2.
 - `multicast`: 66 parts, a cluster of two CTAs per part; each CTA issues half
   of every copy, multicast to both (`collective_axes`), and a stage is
   refilled once both CTAs released it (a cluster barrier): every tile read
   from L2 once, delivered twice.
 
-Prints µs per call and the bytes delivered to SMEM per µs, per variant and
-ring depth, from CUPTI (median of five).
+Layouts of the stage in SMEM: `sw64` (32-column tiles under the 64-byte
+swizzle: 64-byte TMA rows, the decode kernels' `bf16_tile()`), `sw128`
+(64-column tiles, 128-byte swizzle: `bf16_tile(128)`, `kv_swizzle=128`),
+`plain` (row-major, as the benchmarks' gather ceiling). Each variant checks
+the last tile it holds against the cache. Prints µs per call and TB/s
+delivered into SMEM, per variant, layout and ring depth, from CUPTI (median of
+five).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ BS, D, HALF, ROPE = 64, 576, 256, 64
 LAYOUTS = {
     # the decode kernels' stage layout: 32-column tiles, 64-byte swizzle
     "sw64": K.bf16_tile(),
-    "sw128": (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)),
+    "sw128": K.bf16_tile(128),
     "plain": (),  # row-major, as the benchmarks' gather ceiling
 }
 

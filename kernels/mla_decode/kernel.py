@@ -148,7 +148,7 @@ def build_kernel(
   TMA copy moves 64-byte rows and each consumer multiplies P into its values
   in two 32-slot halves, its own beside the other's softmax
   (`seesaw_tile`). At 128 (64-column tiles) the copies move 128-byte rows,
-  which stream ~25% faster from HBM into a two-stage ring
+  which stream ~29% faster from HBM into a two-stage ring
   (`benchmarks/probe_multicast.py`); wgmma then takes K in steps of 64, so
   each consumer's PV runs once per tile, over both halves of P.
 
@@ -518,7 +518,8 @@ def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=None):
     if q_head is not None:
       d = q_head.shape[1]
       plgpu.wgmma(s_ref, q_head, k_lat.at[stage, 0, slots, pl.ds(0, d)].T)
-      plgpu.wgmma(s_ref, q.at[0, :, pl.ds(d, HALF - d)], k_lat.at[stage, 0, slots, pl.ds(d, HALF - d)].T)
+      rest = pl.ds(d, HALF - d)
+      plgpu.wgmma(s_ref, q.at[0, :, rest], k_lat.at[stage, 0, slots, rest].T)
       plgpu.wgmma(s_ref, q.at[1], k_lat.at[stage, 1, slots].T)
       plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
       return s_ref[...]
