@@ -3,10 +3,10 @@
 Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:VARIANT] ...]
 (":mul" also times mask_mode="multiply", ":xla" the XLA reference,
 ":sw64" / ":sw128" the kernel with the query and KV ring under the 64- or
-128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, ":qr0" / ":qr64" / ":qr128"
+128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, ":qr0" ... ":qr192"
 with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`:
 each the shape's default config with that field replaced, on the default's
-plan; the check runs every variant).
+plan; the check runs every variant the shapes name).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
 bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
@@ -135,7 +135,8 @@ def table_for(rng, lens, num_blocks, max_blocks, bs=BS):
 # The kernel variants beside the default that a shape may time (":name").
 # Each replaces these fields of the shape's default config (tuned or heuristic).
 VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
-            "qr0": dict(q_regs=0), "qr64": dict(q_regs=64), "qr128": dict(q_regs=128)}
+            "qr0": dict(q_regs=0), "qr64": dict(q_regs=64), "qr128": dict(q_regs=128),
+            "qr192": dict(q_regs=192)}
 
 
 def check_correctness(rng, variant="default"):
@@ -257,16 +258,18 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", nargs="*", default=None,
-                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:sw64|:sw128][:qr0|:qr64|:qr128]")
+                  help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:VARIANT ...], VARIANT in "
+                       + " ".join(VARIANTS))
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   print(jax.devices()[0].device_kind, jax.__version__)
-  if not args.skip_check:
-    names = ("default", *VARIANTS)
+  shapes = args.shapes or ["128:64:4096:xla", "128:128:4096:xla", "128:16:4096", "128:64:16384",
+                           "128:128:16384", "1:128:131072", "8:64:32768"]
+  if not args.skip_check:  # the dataclass default and every variant the shapes name
+    names = ("default", *[v for v in VARIANTS if any(v in s.split(":") for s in shapes)])
     ok = [check_correctness(rng, v) for v in names]
     print("CORRECT" if all(ok) else f"WRONG ({dict(zip(names, ok))})")
-  shapes = args.shapes or ["128:64:4096:xla", "128:128:4096:xla", "128:16:4096", "128:64:16384", "128:128:16384", "1:128:131072", "8:64:32768"]
   out = []
   for spec in shapes:
     parts = spec.split(":")

@@ -5,7 +5,11 @@ must move (every selected row once, plus q and out), TFLOP/s, and the ratios
 against two figures measured in the same run: an XLA gather of the same rows
 fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
-  python benchmarks/bench_sparse_mla_decode.py [--quick]
+  python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
+
+With several `--q-regs` values each shape runs every one in the same run (the
+query's latent channels the consumers hold in registers,
+`SparseMLADecodeConfig.q_regs`), and the NaN check runs each.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--splits", type=int, default=0, help="0: default config")
+  parser.add_argument("--q-regs", type=int, nargs="+", default=None,
+                      help="time the kernel with each of these q_regs (default: the config's)")
   args = parser.parse_args(argv)
   shapes = [(128, 64, 0.0), (128, 128, 0.0), (64, 64, 0.0), (128, 64, 0.25)]
   if args.quick:
@@ -85,15 +91,19 @@ def main(argv=None) -> int:
         c.reshape(-1, 576)[jnp.maximum(i, 0)], axis=1, dtype=jnp.float32))
     t_ceil = _time(ceil, cache, idx)
     t_ref = _time(ref, q, cache, idx)
-    for mode in ("select", "multiply"):
-      fn = jax.jit(lambda q, c, i, mode=mode: sparse_mla_decode(
-          q, c, i, sm_scale=SCALE, mask_mode=mode, config=cfg))
+    q_regs = args.q_regs or [cfg.q_regs]
+    variants = [(mode, qr) for qr in q_regs for mode in ("select", "multiply")]
+    for mode, qr in variants:
+      vcfg = dataclasses.replace(cfg, q_regs=qr)
+      fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: sparse_mla_decode(
+          q, c, i, sm_scale=SCALE, mask_mode=mode, config=vcfg))
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
       ok &= good
       t = _time(fn, q, cache, idx)
-      rows.append((batch, heads, invalid, mode, t * 1e6, (kv_bytes + io_bytes) / t / 1e12,
+      rows.append((batch, heads, invalid, f"{mode}/qr{qr}", t * 1e6,
+                   (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
     print(f"b{batch} h{heads} inv{invalid}: ceiling {kv_bytes / t_ceil / 1e12:.2f} TB/s,"
@@ -106,20 +116,24 @@ def main(argv=None) -> int:
   used = jnp.zeros(NUM_BLOCKS * BLOCK_SIZE, bool).at[jnp.maximum(idx, 0)].set(True)
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
-  cfg = _pallas_config(args.splits, 16, 64)
-  f = lambda c, m: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
-  clean, _ = f(cache, "select")
-  sel, _ = f(poisoned, "select")
-  mul, _ = f(poisoned, "multiply")
-  nan_rows = np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2))
-  nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
-      False] + [True] * 7 + [False] * 8
-  ok &= nan_ok
-  print(f"NaN poisoning: select bit-equal to clean and multiply NaN rows as expected: {nan_ok}")
+  base = _pallas_config(args.splits, 16, 64)
+  for qr in args.q_regs or [base.q_regs]:
+    cfg = dataclasses.replace(base, q_regs=qr)
+    f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
+    clean, _ = f(cache, "select")
+    sel, _ = f(poisoned, "select")
+    mul, _ = f(poisoned, "multiply")
+    nan_rows = np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2))
+    nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
+        False] + [True] * 7 + [False] * 8
+    ok &= nan_ok
+    print(f"NaN poisoning (q_regs {qr}): select bit-equal to clean and multiply NaN rows as"
+          f" expected: {nan_ok}")
 
-  print("\nbatch heads invalid mode      us     TB/s  TFLOP/s  ceilTB/s  %ceil  xRef  relerr ok")
+  print("\nbatch heads invalid mode/q_regs      us     TB/s  TFLOP/s  ceilTB/s  %ceil  xRef"
+        "  relerr ok")
   for r in rows:
-    print(f"{r[0]:5d} {r[1]:5d} {r[2]:7.2f} {r[3]:8s} {r[4]:7.1f} {r[5]:6.2f} {r[6]:7.1f}"
+    print(f"{r[0]:5d} {r[1]:5d} {r[2]:7.2f} {r[3]:15s} {r[4]:7.1f} {r[5]:6.2f} {r[6]:7.1f}"
           f" {r[7]:8.2f} {100 * r[8]:6.1f} {r[9]:5.1f} {r[10]:.1e} {r[11]}")
   return 0 if ok else 1
 

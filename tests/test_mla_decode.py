@@ -330,7 +330,8 @@ def test_profiler_needs_a_compiled_kernel():
 @pytest.mark.parametrize(
     "block_size, select, finish_rows, kv_swizzle, q_regs",
     [(64, True, True, 64, 0), (32, False, False, 64, 128), (128, True, False, 64, 64),
-     (64, False, True, 128, 0), (32, True, False, 128, 64), (128, False, False, 128, 128)],
+     (64, False, True, 128, 0), (32, True, False, 128, 64), (128, False, False, 128, 128),
+     (64, True, True, 64, 192)],
 )
 def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_swizzle, q_regs):
   """The compiled kernels' own paths (the RoPE query in registers, the seeded
@@ -555,7 +556,7 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
 @pytest.mark.parametrize(
     "heads,bs,kv_swizzle,q_regs",
     [(128, 64, 128, 0), (16, 32, 128, 64), (64, 128, 128, 128), (16, 32, 64, 0),
-     (64, 64, 64, 128), (128, 128, 64, 64)],
+     (64, 64, 64, 128), (128, 128, 64, 64), (128, 64, 64, 192)],
 )
 def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle, q_regs):
   """The kernel's variants at every head count, whichever the device's config

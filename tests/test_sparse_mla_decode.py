@@ -35,10 +35,10 @@ def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
   return q, cache, idx
 
 
-def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET):
+def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0):
   return sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
-      config=SparseMLADecodeConfig(num_splits=splits),
+      config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs),
   )
 
 
@@ -52,20 +52,24 @@ def _check(out, lse, ref_out, ref_lse):
 
 
 @pytest.mark.parametrize(
-    "heads, mode, splits, dup",
+    "heads, mode, splits, dup, q_regs",
     [
-        (16, "select", 1, False),
-        (64, "multiply", 2, True),
-        (128, "select", 1, True),
+        (16, "select", 1, False, 0),
+        (64, "multiply", 2, True, 0),
+        (128, "select", 1, True, 0),
+        # The query's first channels fed to the QK from apart (registers when
+        # compiled; the same SMEM slice here).
+        (128, "multiply", 1, False, 128),
+        (16, "select", 2, True, 64),
     ],
 )
-def test_matches_reference(heads, mode, splits, dup):
+def test_matches_reference(heads, mode, splits, dup, q_regs):
   q, cache, idx = _inputs(
       heads, 2, heads, 64 * splits, dup=dup, dead_rows=(1,) if heads == 16 else ()
   )
   if heads == 16:  # float32 queries: one split writes the result in their dtype
     q = q.astype(jnp.float32)
-  out, lse = _run(q, cache, idx, mode, splits)
+  out, lse = _run(q, cache, idx, mode, splits, q_regs=q_regs)
   assert out.shape == (2, heads, 512) and out.dtype == q.dtype
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
   if heads == 16:  # the all-invalid row
@@ -77,9 +81,11 @@ def test_matches_reference(heads, mode, splits, dup):
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])
 def test_long_index_list(mode):
-  """Eight tiles of indices in one split: the producer's index ring wraps around."""
+  """Eight tiles of indices in one split: the producer's index ring wraps around
+  (and in "select" the query's first 192 channels are fed from apart, the same
+  slice for every tile)."""
   q, cache, idx = _inputs(11, 1, 16, 256, invalid=0.2 if mode == "select" else 0.0)
-  out, lse = _run(q, cache, idx, mode)
+  out, lse = _run(q, cache, idx, mode, q_regs=192 if mode == "select" else 0)
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
   _check(out, lse, ref_out, ref_lse)
 
@@ -161,6 +167,8 @@ def test_config_validation():
     SparseMLADecodeConfig(num_splits=0)
   with pytest.raises(ValueError, match="implementation"):
     SparseMLADecodeConfig(implementation="triton")
+  with pytest.raises(ValueError, match="q_regs"):
+    SparseMLADecodeConfig(q_regs=32)
 
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])
@@ -192,8 +200,10 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("select, splits, heads", [(True, 1, 64), (False, 2, 128)])
-def test_compiled_kernel_lowers_for_hopper(select, splits, heads):
+@pytest.mark.parametrize(
+    "select, splits, heads, q_regs", [(True, 1, 64, 0), (False, 2, 128, 0), (True, 1, 128, 128)]
+)
+def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs):
   """The compiled kernel's own path (the per-thread cp.async gather, the stage
   mbarriers, "multiply"'s warp reduction) exists only for the GPU, where the
   interpreter cannot run it: lowering it for CUDA here catches a broken body on a
@@ -203,7 +213,7 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads):
   batch, topk = 2, 64 * splits
   call = K.build_kernel(
       batch=batch, heads_padded=heads, topk=topk, num_splits=splits, sm_scale=SCALE,
-      select=select, interpret=None,
+      select=select, interpret=None, q_regs=q_regs,
   )
   args = (
       jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),

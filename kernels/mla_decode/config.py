@@ -12,7 +12,7 @@ MAX_SPLITS = 256
 # Byte widths of the query's and KV ring's SMEM swizzle (`MLADecodeConfig.kv_swizzle`).
 KV_SWIZZLES = (64, 128)
 # Latent query channels the consumers keep in registers (`MLADecodeConfig.q_regs`).
-Q_REGS = (0, 64, 128)
+Q_REGS = (0, 64, 128, 192)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class MLADecodeConfig:
       consumer's PV runs once per tile over all of P). Not a plan
       parameter: it changes the kernel, whatever plan it runs.
     q_regs: how many of the query's latent channels each consumer holds in
-      registers for its QK (0, 64 or 128; `q_regs / 4` registers per
+      registers for its QK (0, 64, 128 or 192; `q_regs / 4` registers per
       thread), so that the QK reads that much less of the query from SMEM.
       A kernel parameter, like kv_swizzle.
   """

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from jaxkv.kernels._common import device_kind, load_tuning
+from jaxkv.kernels.mla_decode.config import Q_REGS
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
@@ -26,10 +27,14 @@ class SparseMLADecodeConfig:
       (the Mosaic GPU kernel, the default; needs a Hopper GPU) or "xla" (the
       jnp reference: any device, 2-3x slower on an H200). Interpreted calls
       always run the kernel.
+    q_regs: how many of the query's latent channels each consumer holds in
+      registers for its QK, as in dense decode (`MLADecodeConfig.q_regs`;
+      one of 0, 64, 128, 192).
   """
 
   num_splits: int = 1
   implementation: str = "pallas"
+  q_regs: int = 0
 
   def __post_init__(self):
     value = self.num_splits
@@ -39,6 +44,8 @@ class SparseMLADecodeConfig:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
+    if self.q_regs not in Q_REGS or isinstance(self.q_regs, bool):
+      raise ValueError(f"q_regs={self.q_regs!r} must be one of {Q_REGS}")
 
 
 def heuristic_config(

@@ -50,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxkv.kernels.mla_decode.config import Q_REGS
 from jaxkv.kernels.mla_decode.kernel import (
     HALF,
     HEAD_TILE,
@@ -107,6 +108,7 @@ def build_kernel(
     select: bool,
     interpret,
     out_dtype=jnp.float32,
+    q_regs: int = 0,
 ):
   """Builds the kernel call.
 
@@ -119,8 +121,13 @@ def build_kernel(
   `combine_splits`. With one split they are the result itself, with no split
   axis: o `[batch, heads_padded, 512]` in `out_dtype` (0 where a row has no
   valid index) and lse `[batch, heads_padded]` f32.
+
+  `q_regs`: the query's latent channels each consumer holds in registers for
+  its QK, as in dense decode (`mla_decode.kernel.build_kernel`).
   """
   assert topk % (TILE * num_splits) == 0
+  if q_regs not in Q_REGS:
+    raise ValueError(f"{q_regs=} must be one of {Q_REGS}")
   num_tiles = topk // (TILE * num_splits)  # per split, static
   scale_log2 = float(sm_scale) * _LOG2E
   dtype = jnp.bfloat16
@@ -279,6 +286,13 @@ def build_kernel(
         # (The interpreter cannot take a register operand for a wgmma into an
         # accumulator ref: it reads it from SMEM.)
         q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
+        # With `q_regs`, the query's first latent channels too (the
+        # interpreter reads the same slice from SMEM).
+        q_head = None
+        if q_regs:
+          q_head = q_lat.at[0, :, pl.ds(0, q_regs)]
+          if compiled:
+            q_head = plgpu.load(q_head, layout=plgpu.Layout.WGMMA)
 
         def step(i, carry):
           stage = lax.rem(i, NUM_STAGES)
@@ -294,7 +308,7 @@ def build_kernel(
           # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
-          s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots)
+          s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=q_head)
           valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
           s = jnp.where(valid, s * scale_log2, -jnp.inf)
           # m starts at a finite floor below any score, so a row with no

@@ -86,6 +86,7 @@ def sparse_mla_decode(
         select=mask_mode == "select",
         num_splits=config.num_splits,
         interpret=interpret,
+        q_regs=config.q_regs,
     )
 
 
@@ -126,9 +127,9 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "select", "num_splits", "interpret")
+    jax.jit, static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs")
 )
-def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, interpret):
+def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
   qp = q.astype(jnp.bfloat16)
@@ -144,6 +145,7 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       select=select,
       interpret=interpret,
       out_dtype=q.dtype,
+      q_regs=q_regs,
   )
   o, lse = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, hp, 512], [b, hp]
