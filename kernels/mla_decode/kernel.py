@@ -402,14 +402,7 @@ def build_kernel(
               q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA)
             else:
               q_rope = q_rope_smem
-            # With `q_regs`, the query's first latent channels too (q_regs / 4
-            # per thread), for the whole segment; the interpreter reads the
-            # same slice from SMEM.
-            q_head = None
-            if q_regs:
-              q_head = q_lat.at[0, :, pl.ds(0, q_regs)]
-              if rope_in_regs:
-                q_head = plgpu.load(q_head, layout=plgpu.Layout.WGMMA)
+            q_head = query_head(q_lat, q_regs, in_regs=rope_in_regs)
 
             def step(i, carry, *, last: bool):
               slot = lax.rem(steps + i, NUM_STAGES)
@@ -520,20 +513,28 @@ def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=None):
   """
   def qk(s_ref):
     q = q_lat.at[pl.ds(lax.optimization_barrier(jnp.int32(0)), 2)]
-    if q_head is not None:
+    if q_head is None:
+      plgpu.wgmma(s_ref, q.at[0], k_lat.at[stage, 0, slots].T)
+    else:
       d = q_head.shape[1]
       plgpu.wgmma(s_ref, q_head, k_lat.at[stage, 0, slots, pl.ds(0, d)].T)
       rest = pl.ds(d, HALF - d)
       plgpu.wgmma(s_ref, q.at[0, :, rest], k_lat.at[stage, 0, slots, rest].T)
-      plgpu.wgmma(s_ref, q.at[1], k_lat.at[stage, 1, slots].T)
-      plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
-      return s_ref[...]
-    for h in range(2):
-      plgpu.wgmma(s_ref, q.at[h], k_lat.at[stage, h, slots].T)
+    plgpu.wgmma(s_ref, q.at[1], k_lat.at[stage, 1, slots].T)
     plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
     return s_ref[...]
 
   return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
+
+
+def query_head(q_lat, q_regs: int, *, in_regs: bool):
+  """`tile_scores`' `q_head`: the query's first `q_regs` latent channels
+  (`q_regs / 4` registers per thread), loaded once per query; None for 0.
+  With `in_regs` False (the interpreter) the same SMEM slice."""
+  if not q_regs:
+    return None
+  head = q_lat.at[0, :, pl.ds(0, q_regs)]
+  return plgpu.load(head, layout=plgpu.Layout.WGMMA) if in_regs else head
 
 
 def seesaw_scratch():
@@ -685,7 +686,10 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     whole_pv: `pv` is `seesaw_pv_whole` (a KV ring under the 128-byte
       swizzle): each warpgroup multiplies the whole P in once both halves
       are out, at the tile's maximum m1 (so warpgroup 0 rescales its
-      accumulator once), instead of its own half first.
+      accumulator once, and hands on the copy of its half it multiplies in
+      itself), instead of its own half first. The hand-offs are the same;
+      each warpgroup's own half is in `p_smem` either way (the
+      interpreter's whole-P PV reads it there).
 
   Returns:
     `(acc, m1, l)`.
@@ -697,9 +701,6 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   rows = lambda k: plgpu.load(xchg.at[k], layout=row_layout, optimized=False)
   bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-  if whole_pv:
-    return _seesaw_tile_whole(wg, s, carry, pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
-                              clean=clean, rows=rows, bcast=bcast, own=own)
   if wg == 0:
     m0 = jnp.maximum(m_i, s.max(axis=1))
     scale0 = jnp.exp2(m_i - m0)
@@ -707,10 +708,11 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     l_i = l_i * scale0 + p.sum(axis=1)
     xchg[0] = m0
     plgpu.barrier_arrive(m0_bar)  # our QK is done, m0 is out
-    acc = acc * bcast(scale0, acc.shape)
-    p16 = p.astype(jnp.bfloat16)
-    if clean is None:
-      acc = pv(acc, own, p=p16)  # beside warpgroup 1's softmax
+    if not whole_pv:
+      acc = acc * bcast(scale0, acc.shape)
+      p16 = p.astype(jnp.bfloat16)
+      if clean is None:
+        acc = pv(acc, own, p=p16)  # beside warpgroup 1's softmax
     plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs are done
     m1 = rows(1)
     scale1 = jnp.exp2(m0 - m1)
@@ -722,12 +724,17 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     p_smem[:, own] = p_scaled
     plgpu.commit_smem()
     plgpu.barrier_arrive(p0_bar)
-    if clean is not None:
-      # After the hand-off: warpgroup 1 does not wait for this PV.
-      acc = pv(acc, own, p=p16)
-    acc = acc * bcast(scale1, acc.shape)
     l_i = l_i * scale1
-    acc = pv(acc, other, p_cols=other)
+    if whole_pv:
+      # Both halves at m1: our accumulator is rescaled once, from m.
+      acc = acc * bcast(jnp.exp2(m_i - m1), acc.shape)
+      acc = pv(acc, p_own=p_scaled)
+    else:
+      if clean is not None:
+        # After the hand-off: warpgroup 1 does not wait for this PV.
+        acc = pv(acc, own, p=p16)
+      acc = acc * bcast(scale1, acc.shape)
+      acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p1_free)  # we are done with warpgroup 1's P
   else:
     plgpu.barrier_wait(m0_bar)
@@ -747,63 +754,13 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       # Warpgroup 0's QK, the other reader of our value rows, was done when
       # it handed on m0: our rows can be cleaned without waiting for its P.
       clean()
-    acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale (and clean)
-    plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
-    acc = pv(acc, other, p_cols=other)
-    plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
-  return acc, m1, l_i
-
-
-def _seesaw_tile_whole(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean, rows, bcast, own):
-  """`seesaw_tile` with one PV per warpgroup over all 64 slots (`whole_pv`).
-
-  The hand-offs are `seesaw_tile`'s; what moves is the PV. Both halves of P
-  are at warpgroup 1's maximum m1 when multiplied in: warpgroup 0 hands its
-  half on rescaled (as before) and keeps that copy for its own PV, and
-  rescales its accumulator once, by exp2(m - m1). Each warpgroup stores its
-  own half in `p_smem` as well (the interpreter's PV reads the whole P
-  there; compiled, it only reads the other half).
-  """
-  m0_bar, p0_bar, p1_bar, p0_free, p1_free = bars
-  acc, m_i, l_i = carry
-  if wg == 0:
-    m0 = jnp.maximum(m_i, s.max(axis=1))
-    p = jnp.exp2(s - bcast(m0, s.shape))
-    l_i = l_i * jnp.exp2(m_i - m0) + p.sum(axis=1)
-    xchg[0] = m0
-    plgpu.barrier_arrive(m0_bar)  # our QK is done, m0 is out
-    plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs are done
-    m1 = rows(1)
-    scale1 = jnp.exp2(m0 - m1)
-    if clean is not None:
-      clean()
-    p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
-    plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
-    p_smem[:, own] = p_scaled
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p0_bar)
-    acc = acc * bcast(jnp.exp2(m_i - m1), acc.shape)
-    l_i = l_i * scale1
-    acc = pv(acc, p_own=p_scaled)
-    plgpu.barrier_arrive(p1_free)  # we are done with warpgroup 1's P
-  else:
-    plgpu.barrier_wait(m0_bar)
-    m0 = rows(0)
-    m1 = jnp.maximum(m0, s.max(axis=1))
-    scale = jnp.exp2(m_i - m0) * jnp.exp2(m0 - m1)
-    p = jnp.exp2(s - bcast(m1, s.shape))
-    l_i = l_i * scale + p.sum(axis=1)
-    p16 = p.astype(jnp.bfloat16)
-    plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
-    p_smem[:, own] = p16
-    xchg[1] = m1
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p1_bar)
-    acc = acc * bcast(scale, acc.shape)
-    if clean is not None:
-      clean()
-    plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
-    acc = pv(acc, p_own=p16)
+    if whole_pv:
+      plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
+      acc = pv(acc, p_own=p16)
+    else:
+      acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale (and clean)
+      plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
+      acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
   return acc, m1, l_i
 

@@ -69,6 +69,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     seesaw_row_sums,
     seesaw_tile,
     softmax_finish,
+    query_head,
     softmax_start,
     split_outputs,
     tile_scores,
@@ -286,13 +287,7 @@ def build_kernel(
         # (The interpreter cannot take a register operand for a wgmma into an
         # accumulator ref: it reads it from SMEM.)
         q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
-        # With `q_regs`, the query's first latent channels too (the
-        # interpreter reads the same slice from SMEM).
-        q_head = None
-        if q_regs:
-          q_head = q_lat.at[0, :, pl.ds(0, q_regs)]
-          if compiled:
-            q_head = plgpu.load(q_head, layout=plgpu.Layout.WGMMA)
+        q_head = query_head(q_lat, q_regs, in_regs=compiled)
 
         def step(i, carry):
           stage = lax.rem(i, NUM_STAGES)
