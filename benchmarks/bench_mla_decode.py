@@ -6,7 +6,8 @@ Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:m
 128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, ":qr0" ... ":qr192"
 with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`:
 each the shape's default config with that field replaced, on the default's
-plan; the check runs every variant the shapes name).
+plan; the check runs every variant the shapes name; ":ungrouped" merges rows
+of many splits with the per-split ring instead of the grouped pass).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
 bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
@@ -37,6 +38,7 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_reference,
 )
 from jaxkv.kernels.mla_decode.config import default_config
+from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
 BS = 64
 D = 576
@@ -137,6 +139,10 @@ def table_for(rng, lens, num_blocks, max_blocks, bs=BS):
 VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
             "qr0": dict(q_regs=0), "qr64": dict(q_regs=64), "qr128": dict(q_regs=128),
             "qr192": dict(q_regs=192)}
+# Variants of the merge rather than of the kernel's config (`_mla_decode`'s
+# private arguments): "ungrouped" merges rows of many splits with the
+# per-split ring (two passes past 32 splits) instead of the grouped pass.
+MERGE_VARIANTS = {"ungrouped": dict(grouped=False)}
 
 
 def check_correctness(rng, variant="default"):
@@ -144,7 +150,9 @@ def check_correctness(rng, variant="default"):
   print(f"variant {variant}: {kernel_kw}")
   rows = []
   lens_np = [1, 63, 64, 65, 0, 1000, 4097, 300]
-  for heads, splits, mode in ((16, 1, "select"), (64, 3, "multiply"), (128, 7, "select")):
+  # The last two cut rows into more splits than a merge group (8): the grouped merge.
+  for heads, splits, mode in ((16, 1, "select"), (64, 3, "multiply"), (128, 7, "select"),
+                              (128, 20, "select"), (64, 40, "multiply")):
     key = jax.random.key(heads)
     cache = jax.random.normal(key, (200, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 1), (8, heads, D), jnp.bfloat16)
@@ -230,15 +238,23 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
     res[mode] = ms / copies
     kern = sum(t for nm, t in names if "mla_decode" in nm) / copies
     res[mode + "_kernel"] = kern
+    res[mode + "_merge"] = sum(t for nm, t in names if "merge" in nm) / copies
     if not res.get("names"):
       res["names"] = sorted({nm[:40] for nm, _ in names})
-  for name in variants:  # the same plan, another kernel variant
-    cfg = dataclasses.replace(default_config(batch=batch, num_heads=heads), **VARIANTS[name])
-    fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg: [
-        mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p, config=cfg) for t in ts])
+  for name in variants:  # the same plan, another kernel or merge variant
+    if name in MERGE_VARIANTS:
+      cfg = default_config(batch=batch, num_heads=heads)
+      fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg, kw=MERGE_VARIANTS[name]: [
+          _mla_decode(q, c, t, s, p, sm_scale=D**-0.5, select=True, interpret=None,
+                      kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs, **kw) for t in ts])
+    else:
+      cfg = dataclasses.replace(default_config(batch=batch, num_heads=heads), **VARIANTS[name])
+      fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg: [
+          mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p, config=cfg) for t in ts])
     ms, names = timed(fn, q, cache, tables, lens, plan)
     res[name] = ms / copies
     res[name + "_kernel"] = sum(t for nm, t in names if "mla_decode" in nm and "merge" not in nm) / copies
+    res[name + "_merge"] = sum(t for nm, t in names if "merge" in nm) / copies
   g = jax.jit(lambda c, ts, bnd: gather_ceiling(c, ts, bnd))
   if bs != BS:  # the ceiling streams 64-slot blocks: the same bytes
     _, cache64, tables64, _ = make_problem(rng, lens_np, heads, copies)
@@ -259,7 +275,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", nargs="*", default=None,
                   help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:VARIANT ...], VARIANT in "
-                       + " ".join(VARIANTS))
+                       + " ".join([*VARIANTS, *MERGE_VARIANTS]))
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -278,13 +294,13 @@ def main():
     bs = next((int(x[2:]) for x in parts[3:] if x.startswith("bs")), BS)
     try:
       r = bench_shape(rng, b, h, c, modes, "xla" in parts, bs=bs,
-                      variants=[v for v in VARIANTS if v in parts])
+                      variants=[v for v in (*VARIANTS, *MERGE_VARIANTS) if v in parts])
     except Exception as e:  # keep measuring the other shapes
       print("FAILED", spec, repr(e)[:300], flush=True)
       continue
     out.append(r)
     print(r, flush=True)
-  print("\nbatch heads ctx bs splits | select ms TB/s TFLOP/s | kernel-only ms | multiply ms (kernel) sel/mul | gather ms TB/s | gather/sel | xla ms  x | variant ms (variant/default)")
+  print("\nbatch heads ctx bs splits | select ms TB/s TFLOP/s | kernel-only ms (merge µs) | multiply ms (kernel) sel/mul | gather ms TB/s | gather/sel | xla ms  x | variant ms (variant/default)")
   for r in out:
     ms = r["select"]
     tbs = r["bytes"] / ms / 1e9
@@ -293,9 +309,10 @@ def main():
     mul = (f"{r['multiply']:.3f} ({r['multiply_kernel']:.3f}) {ms / r['multiply']:.3f}"
            if "multiply" in r else "-")
     xla = f"{r['xla']:.3f} {r['xla'] / ms:.1f}x" if "xla" in r else "-"
-    dep = " ".join(f"{v} {r[v]:.4f} ({r[v] / ms:.3f})" for v in VARIANTS if v in r) or "-"
+    dep = " ".join(f"{v} {r[v]:.4f} ({r[v] / ms:.3f}; merge {1e3 * r[v + '_merge']:.1f})"
+                   for v in (*VARIANTS, *MERGE_VARIANTS) if v in r) or "-"
     print(f"{r['batch']:5d} {r['heads']:5d} {r['ctx']:6d} {r['bs']:3d} {r['splits']:4d} | {ms:.3f} {tbs:.2f} {tf:.0f} | "
-          f"{r['select_kernel']:.3f} | {mul} | {r['gather']:.3f} {gtbs:.2f} | {r['gather'] / ms:.2f} | {xla} | {dep}")
+          f"{r['select_kernel']:.3f} ({1e3 * r['select_merge']:.1f}) | {mul} | {r['gather']:.3f} {gtbs:.2f} | {r['gather'] / ms:.2f} | {xla} | {dep}")
 
 
 if __name__ == "__main__":

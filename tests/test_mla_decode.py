@@ -661,19 +661,25 @@ def test_a_stale_plan_reads_nothing_outside_the_rows():
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
 
 
-@pytest.mark.parametrize("splits", [3, 9])
-def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits):
+@pytest.mark.parametrize(
+    "splits, group, stages", [(3, False, None), (9, False, None), (9, True, None), (20, True, 1)]
+)
+def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, stages):
   """The merge reads a row's live splits only (more of them than its ring
   holds with 9), and leaves the rows the decode kernel finished itself (one
-  split over the whole row) exactly as they were."""
+  split over the whole row) exactly as they were. With `group` the splits
+  come 8 per copy (the last copy overlapping the one before it at 9 and 20)
+  and, with one group in flight, the ring refills behind the reads."""
   from jaxkv.kernels.mla_decode.merge import build_merge, merge_tiling
 
   rng = np.random.default_rng(12)
   batch, heads = 5, 128
   o = jnp.asarray(rng.standard_normal((batch, splits, heads, 512)), jnp.float32)
   lse = jnp.asarray(rng.standard_normal((batch, splits, heads)) * 3, jnp.float32)
-  live = jnp.asarray([splits, 1, 0, 2, 1], jnp.int32)
-  assert (splits > merge_tiling(splits)[1]) == (splits == 9)
+  # Grouped, row 3's last live split sits in a copy with dead ones, and
+  # (9 splits) its last group is not fetched at all.
+  live = jnp.asarray([splits, 1, 0, splits - 3 if group else 2, 1], jnp.int32)
+  assert group or (splits > merge_tiling(splits)[1]) == (splits == 9)
   dead = np.arange(splits)[None, :] >= np.asarray(live)[:, None]
   # Dead slots are never written by the decode kernel: NaN must not leak.
   o_bad = jnp.where(jnp.asarray(dead)[..., None, None], jnp.nan, o)
@@ -690,9 +696,10 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits):
   kept_lse = rng.standard_normal((batch, heads)).astype(np.float32)
   out0 = jnp.asarray(np.where(finished[:, None, None], kept, np.nan), jnp.bfloat16)
   lse0 = jnp.asarray(np.where(finished[:, None], kept_lse, np.nan))
+  tiling = dict(cols=64, stages=stages) if stages else {}
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
-                      max_tokens=10 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
-                      finish_rows=True)
+                      max_tokens=30 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
+                      finish_rows=True, group=group, **tiling)
   out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16

@@ -14,6 +14,13 @@ Rows of more than `MAX_SPLITS` splits take two passes: the first merges
 chunks of a row's splits (split 0 alone, then `CHUNK` at a time), a CTA per
 chunk, into float32 results; the second merges those as the row's splits.
 
+Rows of more than `GROUP` splits can instead be merged in one pass with the
+splits grouped (`build_merge(group=True)`): each TMA copy brings `GROUP`
+splits of a CTA's tile at once, so a CTA holds all of a row's splits in a
+handful of copies; the row's LSE comes first and its maximum is taken before
+any value tile is read, so the splits' weighted sum is a chain of FMAs rather
+than one online-softmax step per split.
+
 With `finish_rows` (the decode kernel's), the merge writes into the decode
 kernel's output in place (a Pallas state discharge aliases it): rows the
 decode kernel finished itself (one split covering the whole row,
@@ -44,6 +51,11 @@ STAGES = 4
 # beat it (0.091; NOTES.md, "Two passes for rows of many splits").
 MAX_SPLITS = 32
 CHUNK = 8
+# The grouped one-pass merge: splits per TMA copy, the SMEM its ring of value
+# tiles may take, and the CTAs it aims for (about one per SM).
+GROUP = 8
+GROUP_SMEM = 160 * 1024
+GROUP_CTAS = 128
 
 
 def merge_tiling(num_splits: int) -> tuple[int, int]:
@@ -57,6 +69,28 @@ def merge_tiling(num_splits: int) -> tuple[int, int]:
   if num_splits <= 8:
     return COLS, min(STAGES, num_splits)
   return COLS // 2, 2 * STAGES
+
+
+def grouped_tiling(*, batch: int, head_groups: int, num_splits: int) -> tuple[int, int]:
+  """(value channels per CTA, groups in flight per CTA) of the grouped merge.
+
+  The channels shrink (down to 8, the narrowest wgmma-layout tile) until the
+  grid has about `GROUP_CTAS` CTAs, so batch 1 still spreads over the SMs;
+  the ring holds as many `GROUP`-split groups as `GROUP_SMEM` allows (all of
+  a row's at 1 x 128 x 128K: 9 groups of 16 KB)."""
+  cols = 64
+  while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
+    cols //= 2
+  groups = -(-num_splits // GROUP)
+  per_group = GROUP * HEAD_TILE * cols * 4
+  return cols, max(1, min(groups, GROUP_SMEM // per_group))
+
+
+def group_box_start(k: int, num_splits: int) -> int:
+  """The first split slot of group `k`'s copy: `k * GROUP`, except that the
+  last group's box ends at the last slot (it overlaps the group before it
+  rather than running past the array)."""
+  return min(k * GROUP, num_splits - GROUP)
 
 
 def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
@@ -85,6 +119,7 @@ def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
+    group: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -113,13 +148,23 @@ def build_merge(
   `edge_chunk` splits: the kernel reads the bound at `chunk_edges(plan_splits,
   edge_chunk)[k]` itself, which saves the XLA gather of those columns (a
   launch of its own: 0.7-1.5 µs at batch 1-4 on the H200).
+
+  With `group` (one pass over rows of more than `GROUP` splits), the splits
+  come in `GROUP` per copy and are weighted by the row's LSE maximum taken
+  first (`grouped_tiling` when cols / stages are None; stages then counts
+  groups in flight).
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
-    cols, stages = merge_tiling(num_splits) if chunk is None else (COLS // 2, chunk)
+    if group:
+      cols, stages = grouped_tiling(
+          batch=batch, head_groups=heads_padded // HEAD_TILE, num_splits=num_splits)
+    else:
+      cols, stages = merge_tiling(num_splits) if chunk is None else (COLS // 2, chunk)
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
+  assert not group or (chunk is None and edge_chunk is None and num_splits > GROUP)
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
@@ -141,7 +186,8 @@ def build_merge(
     def bound(j):
       return jnp.clip(bounds_ref[b, column(jnp.minimum(first + j, limit))], 0, ntiles)
 
-    run = lambda: merge_row(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar)
+    row = merge_row_grouped if group else merge_row
+    run = lambda: row(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar)
     if finish_rows:
       pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))(run)
     else:
@@ -196,6 +242,82 @@ def build_merge(
     def _():
       row_lse[heads] = lse
 
+  def merge_row_grouped(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar):
+    del first  # 0: the whole row
+    g = lax.axis_index("g")
+    c = lax.axis_index("c")
+    heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
+    chans = pl.ds(c * cols, cols)
+    o_bar, lse_bar = bar
+    groups = -(-num_splits // GROUP)
+
+    # The live splits are the row's first n.
+    n = lax.fori_loop(
+        0, num_splits, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
+        jnp.int32(0),
+    )
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def fetch(k):
+      # o comes as [batch * splits, heads, dv] (see `merge` below).
+      rows = pl.ds(b * num_splits + group_box_start(k, num_splits), GROUP)
+      src = o_ref.at[rows, heads, chans]
+      plgpu.copy_gmem_to_smem(src, o_buf.at[k % stages], o_bar.at[k % stages])
+
+    # Every slot's LSE (a dead slot's bytes are selected away below).
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
+    for k in range(min(stages, groups)):
+      pl.when(k * GROUP < n)(lambda k=k: fetch(k))
+
+    def live_rows(j):
+      # Split j is live, as a row-layout mask (a scalar does not select an array).
+      return plgpu.layout_cast(jnp.full((HEAD_TILE,), j, jnp.int32), row_layout) < n
+
+    def log2_lse(j):
+      return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * _LOG2E
+
+    plgpu.barrier_wait(lse_bar)
+    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
+    for j in range(num_splits):
+      m = jnp.maximum(m, jnp.where(live_rows(j), log2_lse(j), -jnp.inf))
+    # No live split: m stays -inf and every weight is selected to 0, so the
+    # row comes out 0 / -inf (softmax_finish).
+
+    acc, _, l = softmax_start(cols)
+    for k in range(groups):
+      slot = k % stages
+      pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
+      for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
+        live = live_rows(j)
+        w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
+        o_j = plgpu.load(o_buf.at[slot, j - group_box_start(k, num_splits)],
+                         layout=plgpu.Layout.WGMMA, optimized=False)
+        o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
+        acc = acc + o_j * lax.broadcast_in_dim(w, acc.shape, [0])
+        l = l + w
+      if k + stages < groups:
+        # Every thread's reads of the slot are ordered before its refill.
+        plgpu.commit_smem()
+        pl.when((k + stages) * GROUP < n)(lambda k=k: fetch(k + stages))
+    o, lse = softmax_finish(acc, m, l)
+    row_out[heads, chans] = o.astype(out_dtype)
+
+    @pl.when(c == 0)
+    def _():
+      row_lse[heads] = lse
+
+  if group:
+    scratch = [
+        plgpu.SMEM((stages, GROUP, HEAD_TILE, cols), jnp.float32),
+        plgpu.SMEM((num_splits, HEAD_TILE), jnp.float32),
+        (plgpu.Barrier(num_arrivals=1, num_barriers=stages), plgpu.Barrier(num_arrivals=1)),
+    ]
+  else:
+    scratch = [
+        plgpu.SMEM((stages, HEAD_TILE, cols), jnp.float32),
+        plgpu.SMEM((stages, HEAD_TILE), jnp.float32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
   per_row = () if chunk is None else (chunks,)
   outputs = (
       jax.ShapeDtypeStruct((batch, *per_row, heads_padded, dv), out_dtype),
@@ -206,22 +328,26 @@ def build_merge(
       out_type=() if finish_rows else outputs,
       grid=(batch, *per_row, heads_padded // HEAD_TILE, dv // cols),
       grid_names=("b", *(("k",) if chunk else ()), "g", "c"),
-      scratch_types=[
-          plgpu.SMEM((stages, HEAD_TILE, cols), jnp.float32),
-          plgpu.SMEM((stages, HEAD_TILE), jnp.float32),
-          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      ],
+      scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="jaxkv_mla_decode_merge",
       interpret=interpret,
   )
 
+  if group:
+    # Row and split slot as one dimension (a free reshape): with the
+    # swizzled tiles the group's copy would otherwise stride 6 dimensions,
+    # one past what TMA takes.
+    flat = lambda o: o.reshape(batch * num_splits, *o.shape[2:])
+  else:
+    flat = lambda o: o
+
   if not finish_rows:
-    return call
+    return lambda seq_lens, bounds, o, lse: call(seq_lens, bounds, flat(o), lse)
 
   def merge(seq_lens, bounds, o, lse, out, lse_out):
     def in_place(refs):
-      call(seq_lens, bounds, o, lse, *refs)
+      call(seq_lens, bounds, flat(o), lse, *refs)
 
     return pl.run_state(in_place)((out, lse_out))
 

@@ -137,9 +137,9 @@ def mla_decode(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs"))
+    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
-                q_regs):
+                q_regs, grouped=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -165,6 +165,13 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, dv=o.shape[-1],
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
+  if grouped and plan.num_splits > _merge.GROUP:
+    merge = _merge.build_merge(
+        num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=True,
+        **merge_args
+    )
+    out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
+    return out[:, :heads], lse_out[:, :heads]
   if plan.num_splits > _merge.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
