@@ -95,8 +95,11 @@ def _assert_close(got, want):
         ([1, BS - 1, BS, BS + 1, 0, 3 * BS - 7], 16, 1, RACES),
         ([5 * BS + 3, 0, 2 * BS], 64, 3, FAST),
         ([5 * BS - 1, BS + 1], 128, 2, FAST),
-        # More splits than the merge kernel takes in one pass: two passes.
+        # More splits than the per-split merge takes in one pass: three rows
+        # fill the grouped merge's grid (8 channels a CTA); one row does not,
+        # and goes through the two passes.
         ([9 * BS + 3, 0, 2 * BS], 64, 40, FAST),
+        ([40 * BS + 3], 64, 40, FAST),
     ],
 )
 def test_matches_reference(seq_lens, heads, splits, interpret):
@@ -712,6 +715,25 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   assert err < 5e-3, err
   np.testing.assert_allclose(np.asarray(lse_out)[rest], np.asarray(want_lse)[rest], rtol=1e-5, atol=1e-5)
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
+
+
+def test_merge_path_by_plan_shape():
+  """Which merge rows of many splits take, and the grouped merge's tiling:
+  the shapes measured on the H200 (merge.use_grouped's docstring)."""
+  from jaxkv.kernels.mla_decode.merge import GROUP_SMEM, grouped_tiling, use_grouped
+
+  cases = {  # (batch, head groups, splits): (grouped, cols, groups in flight)
+      (1, 2, 67): (True, 8, 9),  # 1 x 128 x 128K: every group in flight
+      (4, 1, 52): (True, 16, 5),  # 4 x 64 x 128K: a ring of 5 of 7 groups
+      (2, 2, 52): (True, 16, 5),
+      (1, 1, 133): (False, 8, 10),  # 64 CTAs: the two passes
+      (8, 1, 27): (False, 32, 2),  # one pass of the per-split ring
+      (4, 2, 52): (False, 32, 2),  # wide tiles: not measured, not taken
+  }
+  for (batch, groups, splits), want in cases.items():
+    cols, stages = grouped_tiling(batch=batch, head_groups=groups, num_splits=splits)
+    assert (use_grouped(batch=batch, head_groups=groups, num_splits=splits), cols, stages) == want
+    assert stages * 8 * 64 * cols * 4 <= GROUP_SMEM
 
 
 def test_merge_in_two_passes_matches_combine():

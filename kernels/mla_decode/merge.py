@@ -77,13 +77,31 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int) -> tuple[in
   The channels shrink (down to 8, the narrowest wgmma-layout tile) until the
   grid has about `GROUP_CTAS` CTAs, so batch 1 still spreads over the SMs;
   the ring holds as many `GROUP`-split groups as `GROUP_SMEM` allows (all of
-  a row's at 1 x 128 x 128K: 9 groups of 16 KB)."""
+  a row's at 1 x 128 x 128K: 9 groups of 16 KB). Narrow tiles are slow to
+  copy (64 rows of 32 bytes at 8 channels), which is why `use_grouped`
+  keeps grids of fewer CTAs on the per-split ring."""
   cols = 64
   while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
     cols //= 2
   groups = -(-num_splits // GROUP)
   per_group = GROUP * HEAD_TILE * cols * 4
   return cols, max(1, min(groups, GROUP_SMEM // per_group))
+
+
+def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
+  """Whether rows of `num_splits` splits take the grouped merge: past
+  `MAX_SPLITS` (where the per-split ring needs two passes) and where its grid
+  reaches `GROUP_CTAS` with 8 or 16 channels per CTA (wider tiles, at batch
+  4 x 128 heads and up, were not measured with rows this long). Measured on the H200 (merge alone, same run, against
+  the per-split ring): 1 x 128 x 128K (67 splits, 8 channels per CTA) 8.1 µs
+  against 10.3, 4 x 64 x 128K and 2 x 128 x 64K (52, 16 channels) 8.3 / 8.2
+  against 10.8 / 10.5; but 1 x 64 x 128K (133 splits, 64 CTAs of 8 channels)
+  19.4 against 10.8, and rows of 15-27 splits, which the ring takes in one
+  pass, 9.3-9.8 against 6.5-7.6 (NOTES.md)."""
+  if num_splits <= MAX_SPLITS:
+    return False
+  cols, _ = grouped_tiling(batch=batch, head_groups=head_groups, num_splits=num_splits)
+  return cols <= 16 and batch * head_groups * (512 // cols) >= GROUP_CTAS
 
 
 def group_box_start(k: int, num_splits: int) -> int:
@@ -104,6 +122,15 @@ def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
 def chunk_edge(k, chunk: int, num_splits: int):
   """`chunk_edges(num_splits, chunk)[k]` for a traced `k` (in the merge kernel)."""
   return jnp.where(k == 0, 0, jnp.minimum(1 + (k - 1) * chunk, num_splits))
+
+
+def live_splits(bound, span: int):
+  """How many of a row's `span` splits are non-empty (`bound(j)`: the row's
+  clipped bound j). Unrolled: each bound is a scalar load from GMEM, and in a
+  loop each load waited for the one before it (the grouped merge of a
+  67-split row on the H200: 10.0 -> 8.1 µs unrolled; NOTES.md)."""
+  bounds = [bound(j) for j in range(span + 1)]
+  return sum((hi > lo).astype(jnp.int32) for lo, hi in zip(bounds, bounds[1:]))
 
 
 def kernel_wrote_row(ntiles, first, second):
@@ -199,10 +226,7 @@ def build_merge(
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     chans = pl.ds(c * cols, cols)
 
-    n = lax.fori_loop(
-        0, span, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
-        jnp.int32(0),
-    )
+    n = live_splits(bound, span)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(j):
@@ -251,11 +275,7 @@ def build_merge(
     o_bar, lse_bar = bar
     groups = -(-num_splits // GROUP)
 
-    # The live splits are the row's first n.
-    n = lax.fori_loop(
-        0, num_splits, lambda j, k: k + (bound(j + 1) > bound(j)).astype(jnp.int32),
-        jnp.int32(0),
-    )
+    n = live_splits(bound, num_splits)  # the row's first n splits are its live ones
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(k):

@@ -165,7 +165,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, dv=o.shape[-1],
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
-  if grouped and plan.num_splits > _merge.GROUP:
+  if grouped and _merge.use_grouped(
+      batch=batch, head_groups=heads_padded // _kernel.HEAD_TILE, num_splits=plan.num_splits):
     merge = _merge.build_merge(
         num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=True,
         **merge_args
