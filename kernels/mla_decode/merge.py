@@ -14,12 +14,13 @@ Rows of more than `MAX_SPLITS` splits take two passes: the first merges
 chunks of a row's splits (split 0 alone, then `CHUNK` at a time), a CTA per
 chunk, into float32 results; the second merges those as the row's splits.
 
-Rows of more than `GROUP` splits can instead be merged in one pass with the
-splits grouped (`build_merge(group=True)`): each TMA copy brings `GROUP`
-splits of a CTA's tile at once, so a CTA holds all of a row's splits in a
-handful of copies; the row's LSE comes first and its maximum is taken before
-any value tile is read, so the splits' weighted sum is a chain of FMAs rather
-than one online-softmax step per split.
+Where `use_grouped` says so (rows of more than `MAX_SPLITS` splits at batch
+1-4), one pass merges them instead with the splits grouped
+(`build_merge(group=True)`): each TMA copy brings `GROUP` splits of a CTA's
+tile at once, so a CTA holds all of a row's splits in a handful of copies;
+the row's LSE comes first and its maximum is taken before any value tile is
+read, so the splits' weighted sum is a chain of FMAs rather than one
+online-softmax step per split.
 
 With `finish_rows` (the decode kernel's), the merge writes into the decode
 kernel's output in place (a Pallas state discharge aliases it): rows the
@@ -56,6 +57,9 @@ CHUNK = 8
 GROUP = 8
 GROUP_SMEM = 160 * 1024
 GROUP_CTAS = 128
+# At most this many splits (the LSE copy's box is at most 256 slots, and its
+# buffer sits beside the ring's; measured up to 67).
+GROUP_MAX_SPLITS = 128
 
 
 def merge_tiling(num_splits: int) -> tuple[int, int]:
@@ -90,15 +94,16 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int) -> tuple[in
 
 def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   """Whether rows of `num_splits` splits take the grouped merge: past
-  `MAX_SPLITS` (where the per-split ring needs two passes) and where its grid
-  reaches `GROUP_CTAS` with 8 or 16 channels per CTA (wider tiles, at batch
-  4 x 128 heads and up, were not measured with rows this long). Measured on the H200 (merge alone, same run, against
-  the per-split ring): 1 x 128 x 128K (67 splits, 8 channels per CTA) 8.1 µs
+  `MAX_SPLITS` (where the per-split ring needs two passes), up to
+  `GROUP_MAX_SPLITS`, and where its grid reaches `GROUP_CTAS` with 8 or 16
+  channels per CTA (wider tiles, at batch 4 x 128 heads and up, were not
+  measured with rows this long). Measured on the H200 (merge alone, same
+  run, against the per-split ring): 1 x 128 x 128K (67 splits, 8 channels per CTA) 8.1 µs
   against 10.3, 4 x 64 x 128K and 2 x 128 x 64K (52, 16 channels) 8.3 / 8.2
   against 10.8 / 10.5; but 1 x 64 x 128K (133 splits, 64 CTAs of 8 channels)
   19.4 against 10.8, and rows of 15-27 splits, which the ring takes in one
   pass, 9.3-9.8 against 6.5-7.6 (NOTES.md)."""
-  if num_splits <= MAX_SPLITS:
+  if not MAX_SPLITS < num_splits <= GROUP_MAX_SPLITS:
     return False
   cols, _ = grouped_tiling(batch=batch, head_groups=head_groups, num_splits=num_splits)
   return cols <= 16 and batch * head_groups * (512 // cols) >= GROUP_CTAS
@@ -191,7 +196,8 @@ def build_merge(
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
-  assert not group or (chunk is None and edge_chunk is None and num_splits > GROUP)
+  assert not group or (chunk is None and edge_chunk is None
+                       and GROUP < num_splits <= GROUP_MAX_SPLITS)
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
