@@ -221,6 +221,14 @@ def check_block_sizes(rng, cfg):
   return ok
 
 
+def kernel_and_merge(names, copies):
+  """The decode kernel's and the merge kernels' ms per call, from `timed`'s
+  (kernel name, ms) pairs over `copies` calls."""
+  merge = sum(t for nm, t in names if "merge" in nm)
+  kern = sum(t for nm, t in names if "mla_decode" in nm and "merge" not in nm)
+  return kern / copies, merge / copies
+
+
 def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS, variants=()):
   one = batch * mean_ctx * D * 2
   copies = max(1, math.ceil(3 * L2_BYTES / one))
@@ -236,10 +244,7 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
         mla_decode(q, c, t, s, sm_scale=D**-0.5, mask_mode=mode, plan=p) for t in ts])
     ms, names = timed(fn, q, cache, tables, lens, plan)
     res[mode] = ms / copies
-    # The decode kernel alone, as for the variants below; the merge apart.
-    kern = sum(t for nm, t in names if "mla_decode" in nm and "merge" not in nm) / copies
-    res[mode + "_kernel"] = kern
-    res[mode + "_merge"] = sum(t for nm, t in names if "merge" in nm) / copies
+    res[mode + "_kernel"], res[mode + "_merge"] = kernel_and_merge(names, copies)
     if not res.get("names"):
       res["names"] = sorted({nm[:40] for nm, _ in names})
   for name in variants:  # the same plan, another kernel or merge variant
@@ -254,8 +259,7 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
           mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p, config=cfg) for t in ts])
     ms, names = timed(fn, q, cache, tables, lens, plan)
     res[name] = ms / copies
-    res[name + "_kernel"] = sum(t for nm, t in names if "mla_decode" in nm and "merge" not in nm) / copies
-    res[name + "_merge"] = sum(t for nm, t in names if "merge" in nm) / copies
+    res[name + "_kernel"], res[name + "_merge"] = kernel_and_merge(names, copies)
   g = jax.jit(lambda c, ts, bnd: gather_ceiling(c, ts, bnd))
   if bs != BS:  # the ceiling streams 64-slot blocks: the same bytes
     _, cache64, tables64, _ = make_problem(rng, lens_np, heads, copies)

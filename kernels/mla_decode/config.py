@@ -15,6 +15,13 @@ KV_SWIZZLES = (64, 128)
 Q_REGS = (0, 64, 128, 192)
 
 
+def check_choice(name: str, value, choices) -> None:
+  """A `ValueError` naming `name` unless `value` is one of `choices` (a bool
+  never is, though False == 0)."""
+  if isinstance(value, bool) or value not in choices:
+    raise ValueError(f"{name}={value!r} must be one of {choices}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MLADecodeConfig:
   """Static split-KV parameters (hashable; a jit static argument).
@@ -61,10 +68,8 @@ class MLADecodeConfig:
       raise ValueError(f"split_overhead_tiles={value!r} must be an int in [0, 1024]")
     if self.num_splits > MAX_SPLITS:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
-    if self.kv_swizzle not in KV_SWIZZLES or isinstance(self.kv_swizzle, bool):
-      raise ValueError(f"kv_swizzle={self.kv_swizzle!r} must be one of {KV_SWIZZLES}")
-    if self.q_regs not in Q_REGS or isinstance(self.q_regs, bool):
-      raise ValueError(f"q_regs={self.q_regs!r} must be one of {Q_REGS}")
+    check_choice("kv_swizzle", self.kv_swizzle, KV_SWIZZLES)
+    check_choice("q_regs", self.q_regs, Q_REGS)
 
 
 def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADecodeConfig:

@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .config import KV_SWIZZLES, Q_REGS
+from .config import KV_SWIZZLES, Q_REGS, check_choice
 from .reference import READ_TILE
 
 HEAD_TILE = 64  # wgmma M: heads per CTA
@@ -166,10 +166,8 @@ def build_kernel(
   assert block_size in BLOCK_SIZES
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
-  if kv_swizzle not in KV_SWIZZLES:
-    raise ValueError(f"{kv_swizzle=} must be one of {KV_SWIZZLES}")
-  if q_regs not in Q_REGS:
-    raise ValueError(f"{q_regs=} must be one of {Q_REGS}")
+  check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
+  check_choice("q_regs", q_regs, Q_REGS)
   whole_pv = kv_swizzle == 128
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)

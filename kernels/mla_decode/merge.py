@@ -219,20 +219,27 @@ def build_merge(
     def bound(j):
       return jnp.clip(bounds_ref[b, column(jnp.minimum(first + j, limit))], 0, ntiles)
 
-    row = merge_row_grouped if group else merge_row
-    run = lambda: row(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar)
+    def run():
+      c = lax.axis_index("c")
+      heads = pl.ds(lax.axis_index("g") * HEAD_TILE, HEAD_TILE)
+      chans = pl.ds(c * cols, cols)
+      n = live_splits(bound, span)  # the row's first n splits are its live ones
+      row = merge_row_grouped if group else merge_row
+      acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar)
+      o, lse = softmax_finish(acc, m, l)
+      row_out[heads, chans] = o.astype(out_dtype)
+
+      @pl.when(c == 0)
+      def _():
+        row_lse[heads] = lse
+
     if finish_rows:
       pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))(run)
     else:
       run()
 
-  def merge_row(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar):
-    g = lax.axis_index("g")
-    c = lax.axis_index("c")
-    heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
-    chans = pl.ds(c * cols, cols)
-
-    n = live_splits(bound, span)
+  def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
+    """`(acc, m, l)` of the row's n live splits, one at a time through a ring."""
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(j):
@@ -264,24 +271,14 @@ def build_merge(
 
     # A live split has a finite LSE (it read at least one slot), so the
     # first one sets m finite and alpha never sees -inf - -inf.
-    acc, m, l = lax.fori_loop(0, n, step, softmax_start(cols))
-    o, lse = softmax_finish(acc, m, l)
-    row_out[heads, chans] = o.astype(out_dtype)
+    return lax.fori_loop(0, n, step, softmax_start(cols))
 
-    @pl.when(c == 0)
-    def _():
-      row_lse[heads] = lse
-
-  def merge_row_grouped(b, first, bound, o_ref, lse_ref, row_out, row_lse, o_buf, lse_buf, bar):
+  def merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
+    """`(acc, m, l)` of the row's n live splits, `GROUP` per copy, weighted
+    by their LSE maximum taken first."""
     del first  # 0: the whole row
-    g = lax.axis_index("g")
-    c = lax.axis_index("c")
-    heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
-    chans = pl.ds(c * cols, cols)
     o_bar, lse_bar = bar
     groups = -(-num_splits // GROUP)
-
-    n = live_splits(bound, num_splits)  # the row's first n splits are its live ones
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def fetch(k):
@@ -300,6 +297,8 @@ def build_merge(
       return plgpu.layout_cast(jnp.full((HEAD_TILE,), j, jnp.int32), row_layout) < n
 
     def log2_lse(j):
+      # Loaded again where used: all splits' maxima held in registers would
+      # not fit beside the accumulator.
       return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * _LOG2E
 
     plgpu.barrier_wait(lse_bar)
@@ -325,12 +324,7 @@ def build_merge(
         # Every thread's reads of the slot are ordered before its refill.
         plgpu.commit_smem()
         pl.when((k + stages) * GROUP < n)(lambda k=k: fetch(k + stages))
-    o, lse = softmax_finish(acc, m, l)
-    row_out[heads, chans] = o.astype(out_dtype)
-
-    @pl.when(c == 0)
-    def _():
-      row_lse[heads] = lse
+    return acc, m, l
 
   if group:
     scratch = [

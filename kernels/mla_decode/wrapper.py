@@ -165,15 +165,10 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, dv=o.shape[-1],
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
-  if grouped and _merge.use_grouped(
-      batch=batch, head_groups=heads_padded // _kernel.HEAD_TILE, num_splits=plan.num_splits):
-    merge = _merge.build_merge(
-        num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=True,
-        **merge_args
-    )
-    out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
-    return out[:, :heads], lse_out[:, :heads]
-  if plan.num_splits > _merge.MAX_SPLITS:
+  # Rows of many splits at batch 1-4: one grouped pass (`merge.use_grouped`).
+  group = grouped and _merge.use_grouped(
+      batch=batch, head_groups=heads_padded // _kernel.HEAD_TILE, num_splits=plan.num_splits)
+  if not group and plan.num_splits > _merge.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
     # results as the rows' splits.
@@ -192,7 +187,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # A row's live splits are its first ones; the merge reads those alone,
   # never the unwritten rest, and writes the rows the kernel did not.
   merge = _merge.build_merge(
-      num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, **merge_args
+      num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
+      **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return out[:, :heads], lse_out[:, :heads]

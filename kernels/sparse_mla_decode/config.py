@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from jaxkv.kernels._common import device_kind, load_tuning
-from jaxkv.kernels.mla_decode.config import Q_REGS
+from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
@@ -31,7 +31,7 @@ class SparseMLADecodeConfig:
       registers for its QK, as in dense decode (`MLADecodeConfig.q_regs`;
       one of 0, 64, 128, 192). 128 measured fastest on the H200 (topk 2048,
       2026-12-01: 128 heads 165.1 -> 160.8 µs, 64 heads 94.6 -> 91.6, 64 x 64
-      flat; 192 spills and is 8-21% slower; NOTES.md).
+      flat; 192 spills and is 6-21% slower; NOTES.md).
   """
 
   num_splits: int = 1
@@ -46,8 +46,7 @@ class SparseMLADecodeConfig:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
-    if self.q_regs not in Q_REGS or isinstance(self.q_regs, bool):
-      raise ValueError(f"q_regs={self.q_regs!r} must be one of {Q_REGS}")
+    check_choice("q_regs", self.q_regs, Q_REGS)
 
 
 def heuristic_config(

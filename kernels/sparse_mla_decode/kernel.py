@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels.mla_decode.config import Q_REGS
+from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 from jaxkv.kernels.mla_decode.kernel import (
     HALF,
     HEAD_TILE,
@@ -61,6 +61,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     SLOT_HALF,
     bf16_tile,
     launch,
+    query_head,
     seesaw_barriers,
     seesaw_begin,
     seesaw_end,
@@ -69,7 +70,6 @@ from jaxkv.kernels.mla_decode.kernel import (
     seesaw_row_sums,
     seesaw_tile,
     softmax_finish,
-    query_head,
     softmax_start,
     split_outputs,
     tile_scores,
@@ -127,8 +127,7 @@ def build_kernel(
   its QK, as in dense decode (`mla_decode.kernel.build_kernel`).
   """
   assert topk % (TILE * num_splits) == 0
-  if q_regs not in Q_REGS:
-    raise ValueError(f"{q_regs=} must be one of {Q_REGS}")
+  check_choice("q_regs", q_regs, Q_REGS)
   num_tiles = topk // (TILE * num_splits)  # per split, static
   scale_log2 = float(sm_scale) * _LOG2E
   dtype = jnp.bfloat16
