@@ -7,7 +7,8 @@ Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:m
 with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`:
 each the shape's default config with that field replaced, on the default's
 plan; the check runs every variant the shapes name; ":ungrouped" merges rows
-of many splits with the per-split ring instead of the grouped pass).
+of many splits with the per-split ring instead of the grouped pass,
+":grouped" takes the grouped pass wherever a row has more than 8 splits).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
 bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
@@ -37,6 +38,7 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_plan,
     mla_decode_reference,
 )
+from jaxkv.kernels.mla_decode import merge
 from jaxkv.kernels.mla_decode.config import default_config
 from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
@@ -141,8 +143,9 @@ VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
             "qr192": dict(q_regs=192)}
 # Variants of the merge rather than of the kernel's config (`_mla_decode`'s
 # private arguments): "ungrouped" merges rows of many splits with the
-# per-split ring (two passes past 32 splits) instead of the grouped pass.
-MERGE_VARIANTS = {"ungrouped": dict(grouped=False)}
+# per-split ring (two passes past 32 splits) instead of the grouped pass,
+# "grouped" takes the grouped pass wherever a row has more than 8 splits.
+MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True)}
 
 
 def check_correctness(rng, variant="default"):
@@ -188,7 +191,37 @@ def check_correctness(rng, variant="default"):
   want_nan = [s % BS != 0 for s in lens_np]
   print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
   ok = all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
-  return check_block_sizes(rng, cfg) and ok
+  return check_block_sizes(rng, cfg) and check_grouped(rng, kernel_kw) and ok
+
+
+def check_grouped(rng, kernel_kw):
+  """The grouped merge (`merge.use_grouped`, partials in `merge.wide_partials`'
+  layout) on the plans that take it by default (1 x 128 heads, 8 channels per
+  merge CTA; 4 x 64, 16 channels), and forced on rows of 20-40 splits that
+  would take the per-split ring: the reference either way."""
+  ok = True
+  for heads, lens_np, forced in ((128, [9000], False), (64, [9000, 3000, 0, 9001], False),
+                                 (128, [4097, 1000, 9000, 5, 0, 3000, 64, 8000], True)):
+    key = jax.random.key(heads + len(lens_np))
+    cache = jax.random.normal(key, (400, BS, D), jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (len(lens_np), heads, D), jnp.bfloat16)
+    lens = jnp.asarray(lens_np, jnp.int32)
+    table = table_for(rng, lens_np, 400, 150)
+    cfg = MLADecodeConfig(num_splits=40, min_chunk_blocks=1, **kernel_kw)
+    plan = mla_decode_plan(lens, num_heads=heads, config=cfg)
+    out, lse = _mla_decode(q, cache, table, lens, plan, sm_scale=D**-0.5, select=True,
+                           interpret=None, kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs,
+                           grouped=True if forced else None)
+    ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
+    o32, r32 = np.asarray(out, np.float32), np.asarray(ro, np.float32)
+    err = np.linalg.norm(o32 - r32) / np.linalg.norm(r32)
+    lerr = np.nanmax(np.abs(np.where(np.isinf(rl), 0, np.asarray(lse) - np.asarray(rl))))
+    taken = forced or merge.use_grouped(batch=len(lens_np), head_groups=-(-heads // 64),
+                                        num_splits=plan.num_splits)
+    print(f"grouped merge: {len(lens_np)} x {heads}, {plan.num_splits} splits, grouped {taken}"
+          f"{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e}")
+    ok = ok and taken and err < 1e-2 and lerr < 1e-2 and bool(np.isfinite(o32).all())
+  return ok
 
 
 def check_block_sizes(rng, cfg):

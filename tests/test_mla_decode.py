@@ -383,6 +383,37 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
   assert "mosaic_gpu" in jax.jit(second).trace(*second_args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_grouped_merge_lowers_with_bulk_copies():
+  """The grouped merge's partials (`merge.wide_partials`' layout, which the
+  decode kernel stores with `partial_cols`) come in by bulk copies of whole
+  groups of splits, not by TMA boxes of narrow rows; only the row's LSE is a
+  TMA box. Lowered for CUDA on the CPU, both kernels at 1 x 128 x 128K's
+  shape (67 splits, 8 channels per merge CTA)."""
+  from jaxkv.kernels.mla_decode import kernel, merge
+
+  batch, hp, splits, parts = 1, 128, 67, 66
+  cols, _ = merge.grouped_tiling(batch=batch, head_groups=2, num_splits=splits)
+  assert cols == 8
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  decode = kernel.build_kernel(
+      batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits, block_size=64,
+      sm_scale=SCALE, select=True, interpret=None, partial_cols=cols,
+  )
+  args = (jax.ShapeDtypeStruct((batch, hp, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((16, 64, 576), jnp.bfloat16),
+          i32(batch, 8), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1), i32(batch))
+  o, lse = jax.eval_shape(decode, *args)
+  assert o.shape == (batch, 512 // cols, 2, splits, 64, cols) and lse.shape == (batch, splits, hp)
+  assert "wgmma.mma_async" in jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  combine = merge.build_merge(batch=batch, num_splits=splits, heads_padded=hp, dv=512,
+                              max_tokens=4096, out_dtype=jnp.bfloat16, interpret=None, group=True)
+  text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "cp.async.bulk.shared::cta.global" in text  # the groups of splits
+  assert text.count("cp.async.bulk.tensor") >= 1  # the LSE
+
+
 @pytest.mark.parametrize("op", ["mla_decode", "sparse_mla_decode"])
 def test_register_split_fits_the_launch(op):
   """`setmaxnreg` can only move registers inside the launch's allocation (168
@@ -673,7 +704,8 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   split over the whole row) exactly as they were. With `group` the splits
   come 8 per copy (the last copy overlapping the one before it at 9 and 20)
   and, with one group in flight, the ring refills behind the reads."""
-  from jaxkv.kernels.mla_decode.merge import build_merge, merge_tiling
+  from jaxkv.kernels.mla_decode.merge import (
+      build_merge, grouped_tiling, merge_tiling, wide_partials)
 
   rng = np.random.default_rng(12)
   batch, heads = 5, 128
@@ -703,6 +735,9 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
                       max_tokens=30 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
                       finish_rows=True, group=group, **tiling)
+  if group:  # the grouped merge reads the partials in its own layout
+    cols = 64 if stages else grouped_tiling(batch=batch, head_groups=2, num_splits=splits)[0]
+    o_bad = wide_partials(o_bad, cols)
   out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16

@@ -115,6 +115,7 @@ def build_kernel(
     profile_dir: str | None = None,
     kv_swizzle: int = 64,
     q_regs: int = 0,
+    partial_cols: int | None = None,
 ):
   """Builds the kernel call.
 
@@ -162,8 +163,14 @@ def build_kernel(
   its QK's wgmmas from there (`tile_scores(q_head=)`), so that the QK, bound
   by its SMEM reads (both consumers read all of Q every tile), reads that
   much less; `q_regs / 4` registers per thread beside the accumulator.
+
+  `partial_cols` (the grouped merge's channels per CTA, a multiple of 8
+  dividing 256): o comes back as `[batch, 512 / partial_cols, heads_padded /
+  64, num_splits, 64, partial_cols]` (`split_outputs`), so that the splits
+  one merge CTA reads are one contiguous run of GMEM.
   """
   assert block_size in BLOCK_SIZES
+  assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
@@ -185,7 +192,7 @@ def build_kernel(
       part_rows_ref,  # [num_parts, 2] int32, GMEM
       part_start_ref,  # [num_parts + 1] int32, GMEM
       row_part_ref,  # [batch] int32, GMEM
-      o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM
+      o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM (or split_outputs' wide layout)
       lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM
       *finished,  # with finish_rows: out [batch, heads_padded, 512] bf16 and
       # lse_out [batch, heads_padded] f32, GMEM: the rows finished here
@@ -427,7 +434,12 @@ def build_kernel(
 
           @jax.named_scope("store")
           def partial():
-            o_ref[row, split, heads, cols] = o
+            if partial_cols is None:
+              o_ref[row, split, heads, cols] = o
+            else:  # this half's channels, partial_cols at a time
+              per = HALF // partial_cols
+              for k in range(per):
+                o_ref[row, wg * per + k, g, split] = o[:, k * partial_cols:(k + 1) * partial_cols]
             if wg == 0:
               lse_ref[row, split, heads] = lse
 
@@ -480,7 +492,7 @@ def build_kernel(
       grid=(num_parts, heads_padded // HEAD_TILE),
       grid_names=("p", "g"),
       out_type=(
-          *split_outputs(batch, num_splits, heads_padded),
+          *split_outputs(batch, num_splits, heads_padded, partial_cols),
           *([jax.ShapeDtypeStruct((batch, heads_padded, LATENT), dtype),
              jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32)] if finish_rows else []),
       ),
@@ -785,10 +797,18 @@ def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
   return l
 
 
-def split_outputs(batch, num_splits, heads_padded):
-  """Each split's normalised partial O and its LSE, float32."""
+def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
+  """Each split's normalised partial O and its LSE, float32: O `[batch,
+  num_splits, heads_padded, 512]`, or with `partial_cols` `[batch, 512 /
+  partial_cols, heads_padded / 64, num_splits, 64, partial_cols]`
+  (`merge.wide_partials` of the first)."""
+  if partial_cols is None:
+    o_shape = (batch, num_splits, heads_padded, LATENT)
+  else:
+    o_shape = (batch, LATENT // partial_cols, heads_padded // HEAD_TILE, num_splits, HEAD_TILE,
+               partial_cols)
   return (
-      jax.ShapeDtypeStruct((batch, num_splits, heads_padded, LATENT), jnp.float32),
+      jax.ShapeDtypeStruct(o_shape, jnp.float32),
       jax.ShapeDtypeStruct((batch, num_splits, heads_padded), jnp.float32),
   )
 

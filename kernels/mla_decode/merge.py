@@ -116,6 +116,20 @@ def group_box_start(k: int, num_splits: int) -> int:
   return min(k * GROUP, num_splits - GROUP)
 
 
+def wide_partials(o, cols: int):
+  """The decode kernel's partials `[batch, splits, heads_padded, dv]` as the
+  grouped merge reads them (`build_kernel(partial_cols=cols)` stores them so):
+  `[batch, dv / cols, heads_padded / 64, splits, 64, cols]`. One merge CTA
+  (a row, a head group, `cols` channels) then finds all of the row's splits
+  in one contiguous run, and each group's copy is a bulk copy of
+  `GROUP * 64 * cols` floats instead of a TMA box of 64-row tiles of
+  `cols * 4` bytes (the narrow rows that held the grouped merge to ~15-17
+  GB/s per CTA on the H200; NOTES.md)."""
+  batch, splits, heads, dv = o.shape
+  o = o.reshape(batch, splits, heads // HEAD_TILE, HEAD_TILE, dv // cols, cols)
+  return o.transpose(0, 4, 2, 1, 3, 5)
+
+
 def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
   """Where the first merge pass cuts a row's splits: split 0 alone, then
   chunks of `chunk`. Split 0 alone keeps the second pass's first two bounds
@@ -181,10 +195,10 @@ def build_merge(
   edge_chunk)[k]` itself, which saves the XLA gather of those columns (a
   launch of its own: 0.7-1.5 µs at batch 1-4 on the H200).
 
-  With `group` (one pass over rows of more than `GROUP` splits), the splits
-  come in `GROUP` per copy and are weighted by the row's LSE maximum taken
-  first (`grouped_tiling` when cols / stages are None; stages then counts
-  groups in flight).
+  With `group` (one pass over rows of more than `GROUP` splits), o comes in
+  `wide_partials(o, cols)`'s layout, the splits come in `GROUP` per copy and
+  are weighted by the row's LSE maximum taken first (`grouped_tiling` when
+  cols / stages are None; stages then counts groups in flight).
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -281,11 +295,17 @@ def build_merge(
     groups = -(-num_splits // GROUP)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
+    del chans  # o is `wide_partials`' layout, flattened (see `merge` below)
+    run_start = ((b * (dv // cols) + lax.axis_index("c")) * (heads_padded // HEAD_TILE)
+                 + lax.axis_index("g")) * num_splits
+
     def fetch(k):
-      # o comes as [batch * splits, heads, dv] (see `merge` below).
-      rows = pl.ds(b * num_splits + group_box_start(k, num_splits), GROUP)
-      src = o_ref.at[rows, heads, chans]
-      plgpu.copy_gmem_to_smem(src, o_buf.at[k % stages], o_bar.at[k % stages])
+      # The group's `[GROUP, 64, cols]` is contiguous in GMEM and inside the
+      # array (the last box ends at the row's last slot): Mosaic GPU issues
+      # one bulk copy for it, not a TMA box of `cols * 4`-byte rows.
+      rows = pl.ds(run_start + group_box_start(k, num_splits), GROUP)
+      plgpu.copy_gmem_to_smem(o_ref.at[rows], o_buf.at[k % stages], o_bar.at[k % stages],
+                              oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
     # Every slot's LSE (a dead slot's bytes are selected away below).
     plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
@@ -349,16 +369,16 @@ def build_merge(
       grid=(batch, *per_row, heads_padded // HEAD_TILE, dv // cols),
       grid_names=("b", *(("k",) if chunk else ()), "g", "c"),
       scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, **(dict(lowering_semantics=plgpu.LoweringSemantics.Lane) if group else {})),
       kernel_name="jaxkv_mla_decode_merge",
       interpret=interpret,
   )
 
   if group:
-    # Row and split slot as one dimension (a free reshape): with the
-    # swizzled tiles the group's copy would otherwise stride 6 dimensions,
-    # one past what TMA takes.
-    flat = lambda o: o.reshape(batch * num_splits, *o.shape[2:])
+    # `wide_partials`' layout with every dimension but a split's tile as one
+    # (a free reshape): a group's copy is then a contiguous slice.
+    flat = lambda o: o.reshape(-1, HEAD_TILE, cols)
   else:
     flat = lambda o: o
 

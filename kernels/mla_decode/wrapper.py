@@ -139,7 +139,7 @@ def mla_decode(
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
-                q_regs, grouped=True):
+                q_regs, grouped=None):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -153,21 +153,30 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # other rows come back in o / lse). Otherwise few rows would be whole, and
   # the epilogue's branch costs more than it saves.
   finish_rows = batch > plan.num_parts
+  # Rows of many splits at batch 1-4: one grouped pass (`merge.use_grouped`;
+  # `grouped` True / False forces it where it can run / keeps it off), which
+  # reads the partials in its own layout.
+  head_groups = heads_padded // _kernel.HEAD_TILE
+  if grouped is None:
+    group = _merge.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
+  else:
+    group = grouped and _merge.GROUP < plan.num_splits <= _merge.GROUP_MAX_SPLITS
+  partial_cols = None
+  if group:
+    partial_cols, _ = _merge.grouped_tiling(
+        batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
-      q_regs=q_regs,
+      q_regs=q_regs, partial_cols=partial_cols,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)
   merge_args = dict(
-      batch=batch, heads_padded=heads_padded, dv=o.shape[-1],
+      batch=batch, heads_padded=heads_padded, dv=_kernel.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
-  # Rows of many splits at batch 1-4: one grouped pass (`merge.use_grouped`).
-  group = grouped and _merge.use_grouped(
-      batch=batch, head_groups=heads_padded // _kernel.HEAD_TILE, num_splits=plan.num_splits)
   if not group and plan.num_splits > _merge.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
