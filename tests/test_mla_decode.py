@@ -97,9 +97,11 @@ def _assert_close(got, want):
         ([5 * BS - 1, BS + 1], 128, 2, FAST),
         # More splits than the per-split merge takes in one pass: three rows
         # fill the grouped merge's grid (8 channels a CTA); one row does not,
-        # and goes through the two passes.
+        # and goes through the two passes; with 128 heads it does (two head
+        # groups in the partials' per-CTA layout).
         ([9 * BS + 3, 0, 2 * BS], 64, 40, FAST),
         ([40 * BS + 3], 64, 40, FAST),
+        ([40 * BS + 3], 128, 40, FAST),
     ],
 )
 def test_matches_reference(seq_lens, heads, splits, interpret):
@@ -110,6 +112,11 @@ def test_matches_reference(seq_lens, heads, splits, interpret):
         config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1),
     )
     assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2
+    if plan.num_splits > 32:  # the merge path the comments above name
+      from jaxkv.kernels.mla_decode.merge import use_grouped
+
+      grouped = use_grouped(batch=len(seq_lens), head_groups=heads // 64, num_splits=plan.num_splits)
+      assert grouped == {(3, 64): True, (1, 64): False, (1, 128): True}[len(seq_lens), heads]
   got = _run(q, cache, table, lens, splits=splits, interpret=interpret)
   _assert_close(got, _ref(q, cache, table, lens))
   out, lse = got
@@ -385,9 +392,9 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
 
 def test_grouped_merge_lowers_with_bulk_copies():
   """The grouped merge's partials (`merge.wide_partials`' layout, which the
-  decode kernel stores with `partial_cols`) come in by bulk copies of whole
-  groups of splits, not by TMA boxes of narrow rows; only the row's LSE is a
-  TMA box. Lowered for CUDA on the CPU, both kernels at 1 x 128 x 128K's
+  decode kernel stores with `partial_cols`) come in by bulk copies, the
+  row's LSE in one and whole groups of splits in each other, not by TMA
+  boxes of narrow rows. Lowered for CUDA on the CPU, both kernels at 1 x 128 x 128K's
   shape (67 splits, 8 channels per merge CTA)."""
   from jaxkv.kernels.mla_decode import kernel, merge
 
@@ -404,14 +411,14 @@ def test_grouped_merge_lowers_with_bulk_copies():
           jax.ShapeDtypeStruct((16, 64, 576), jnp.bfloat16),
           i32(batch, 8), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1), i32(batch))
   o, lse = jax.eval_shape(decode, *args)
-  assert o.shape == (batch, 512 // cols, 2, splits, 64, cols) and lse.shape == (batch, splits, hp)
+  assert o.shape == (batch, 512 // cols, 2, splits, 64, cols) and lse.shape == (batch, 2, splits, 64)
   assert "wgmma.mma_async" in jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   combine = merge.build_merge(batch=batch, num_splits=splits, heads_padded=hp, dv=512,
                               max_tokens=4096, out_dtype=jnp.bfloat16, interpret=None, group=True)
   text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert "cp.async.bulk.shared::cta.global" in text  # the groups of splits
-  assert text.count("cp.async.bulk.tensor") >= 1  # the LSE
+  assert "cp.async.bulk.shared::cta.global" in text  # the LSE and the groups of splits
+  assert "cp.async.bulk.tensor" not in text
 
 
 @pytest.mark.parametrize("op", ["mla_decode", "sparse_mla_decode"])
@@ -737,7 +744,7 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
                       finish_rows=True, group=group, **tiling)
   if group:  # the grouped merge reads the partials in its own layout
     cols = 64 if stages else grouped_tiling(batch=batch, head_groups=2, num_splits=splits)[0]
-    o_bad = wide_partials(o_bad, cols)
+    o_bad, lse_bad = wide_partials(o_bad, lse_bad, cols)
   out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16

@@ -166,8 +166,9 @@ def build_kernel(
 
   `partial_cols` (the grouped merge's channels per CTA, a multiple of 8
   dividing 256): o comes back as `[batch, 512 / partial_cols, heads_padded /
-  64, num_splits, 64, partial_cols]` (`split_outputs`), so that the splits
-  one merge CTA reads are one contiguous run of GMEM.
+  64, num_splits, 64, partial_cols]` and lse as `[batch, heads_padded / 64,
+  num_splits, 64]` (`split_outputs`), so that what one merge CTA reads is
+  one contiguous run of GMEM each.
   """
   assert block_size in BLOCK_SIZES
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
@@ -193,7 +194,7 @@ def build_kernel(
       part_start_ref,  # [num_parts + 1] int32, GMEM
       row_part_ref,  # [batch] int32, GMEM
       o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM (or split_outputs' wide layout)
-      lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM
+      lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM (or split_outputs' wide layout)
       *finished,  # with finish_rows: out [batch, heads_padded, 512] bf16 and
       # lse_out [batch, heads_padded] f32, GMEM: the rows finished here
   ):
@@ -441,7 +442,10 @@ def build_kernel(
               for k in range(per):
                 o_ref[row, wg * per + k, g, split] = o[:, k * partial_cols:(k + 1) * partial_cols]
             if wg == 0:
-              lse_ref[row, split, heads] = lse
+              if partial_cols is None:
+                lse_ref[row, split, heads] = lse
+              else:
+                lse_ref[row, g, split] = lse
 
           if whole is None:
             partial()
@@ -799,17 +803,20 @@ def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
 
 def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
   """Each split's normalised partial O and its LSE, float32: O `[batch,
-  num_splits, heads_padded, 512]`, or with `partial_cols` `[batch, 512 /
-  partial_cols, heads_padded / 64, num_splits, 64, partial_cols]`
-  (`merge.wide_partials` of the first)."""
+  num_splits, heads_padded, 512]` and LSE `[batch, num_splits, heads_padded]`,
+  or with `partial_cols` O `[batch, 512 / partial_cols, heads_padded / 64,
+  num_splits, 64, partial_cols]` and LSE `[batch, heads_padded / 64,
+  num_splits, 64]` (`merge.wide_partials` of the first two)."""
+  groups = heads_padded // HEAD_TILE
   if partial_cols is None:
     o_shape = (batch, num_splits, heads_padded, LATENT)
+    lse_shape = (batch, num_splits, heads_padded)
   else:
-    o_shape = (batch, LATENT // partial_cols, heads_padded // HEAD_TILE, num_splits, HEAD_TILE,
-               partial_cols)
+    o_shape = (batch, LATENT // partial_cols, groups, num_splits, HEAD_TILE, partial_cols)
+    lse_shape = (batch, groups, num_splits, HEAD_TILE)
   return (
       jax.ShapeDtypeStruct(o_shape, jnp.float32),
-      jax.ShapeDtypeStruct((batch, num_splits, heads_padded), jnp.float32),
+      jax.ShapeDtypeStruct(lse_shape, jnp.float32),
   )
 
 

@@ -116,18 +116,20 @@ def group_box_start(k: int, num_splits: int) -> int:
   return min(k * GROUP, num_splits - GROUP)
 
 
-def wide_partials(o, cols: int):
-  """The decode kernel's partials `[batch, splits, heads_padded, dv]` as the
-  grouped merge reads them (`build_kernel(partial_cols=cols)` stores them so):
-  `[batch, dv / cols, heads_padded / 64, splits, 64, cols]`. One merge CTA
-  (a row, a head group, `cols` channels) then finds all of the row's splits
-  in one contiguous run, and each group's copy is a bulk copy of
-  `GROUP * 64 * cols` floats instead of a TMA box of 64-row tiles of
-  `cols * 4` bytes (the narrow rows that held the grouped merge to ~15-17
-  GB/s per CTA on the H200; NOTES.md)."""
+def wide_partials(o, lse, cols: int):
+  """The decode kernel's partials, o `[batch, splits, heads_padded, dv]` and
+  lse `[batch, splits, heads_padded]`, as the grouped merge reads them
+  (`build_kernel(partial_cols=cols)` stores them so): o `[batch, dv / cols,
+  heads_padded / 64, splits, 64, cols]` and lse `[batch, heads_padded / 64,
+  splits, 64]`. One merge CTA (a row, a head group, `cols` channels) then
+  finds its row's splits in one contiguous run of each, and every copy is a
+  bulk copy (the LSE's one, and `GROUP * 64 * cols` floats per group)
+  instead of a TMA box of 64-row tiles of `cols * 4` bytes (the narrow rows
+  that held the grouped merge to ~15-17 GB/s per CTA on the H200; NOTES.md)."""
   batch, splits, heads, dv = o.shape
-  o = o.reshape(batch, splits, heads // HEAD_TILE, HEAD_TILE, dv // cols, cols)
-  return o.transpose(0, 4, 2, 1, 3, 5)
+  groups = heads // HEAD_TILE
+  o = o.reshape(batch, splits, groups, HEAD_TILE, dv // cols, cols).transpose(0, 4, 2, 1, 3, 5)
+  return o, lse.reshape(batch, splits, groups, HEAD_TILE).transpose(0, 2, 1, 3)
 
 
 def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
@@ -195,8 +197,8 @@ def build_merge(
   edge_chunk)[k]` itself, which saves the XLA gather of those columns (a
   launch of its own: 0.7-1.5 µs at batch 1-4 on the H200).
 
-  With `group` (one pass over rows of more than `GROUP` splits), o comes in
-  `wide_partials(o, cols)`'s layout, the splits come in `GROUP` per copy and
+  With `group` (one pass over rows of more than `GROUP` splits), o and lse
+  come in `wide_partials`' layout, the splits come in `GROUP` per copy and
   are weighted by the row's LSE maximum taken first (`grouped_tiling` when
   cols / stages are None; stages then counts groups in flight).
   """
@@ -307,9 +309,13 @@ def build_merge(
       plgpu.copy_gmem_to_smem(o_ref.at[rows], o_buf.at[k % stages], o_bar.at[k % stages],
                               oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
-    # Every slot's LSE (a dead slot's bytes are selected away below).
-    plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
-    for k in range(min(stages, groups)):
+    # Every slot's LSE (a dead slot's bytes are selected away below), and the
+    # first group whether live or not (a row with any split has split 0 live):
+    # neither copy waits for the live count's loads.
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, lax.axis_index("g")], lse_buf, lse_bar,
+                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+    fetch(0)
+    for k in range(1, min(stages, groups)):
       pl.when(k * GROUP < n)(lambda k=k: fetch(k))
 
     def live_rows(j):
@@ -331,7 +337,10 @@ def build_merge(
     acc, _, l = softmax_start(cols)
     for k in range(groups):
       slot = k % stages
-      pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
+      if k == 0:  # fetched whatever n is
+        plgpu.barrier_wait(o_bar.at[slot])
+      else:
+        pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
       for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
         live = live_rows(j)
         w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
