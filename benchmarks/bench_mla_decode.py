@@ -8,8 +8,7 @@ with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`
 each the shape's default config with that field replaced, on the default's
 plan; the check runs every variant the shapes name; ":ungrouped" merges rows
 of many splits with the per-split ring instead of the grouped pass,
-":grouped" takes the grouped pass wherever a row has more than 8 splits,
-":narrow" keeps the partials in [batch, splits, heads, 512], no grouped pass).
+":grouped" takes the grouped pass wherever a row has more than 8 splits).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
 bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
@@ -145,11 +144,8 @@ VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
 # Variants of the merge rather than of the kernel's config (`_mla_decode`'s
 # private arguments): "ungrouped" merges rows of many splits with the
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
-# "grouped" takes the grouped pass wherever a row has more than 8 splits,
-# "narrow" keeps the partials in `[batch, splits, heads, 512]` (TMA boxes into
-# the merge, no grouped pass) instead of the merge CTAs' wide layout.
-MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
-                  "narrow": dict(wide=False)}
+# "grouped" takes the grouped pass wherever a row has more than 8 splits.
+MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True)}
 
 
 def check_correctness(rng, variant="default"):

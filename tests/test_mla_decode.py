@@ -390,38 +390,34 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
   assert "mosaic_gpu" in jax.jit(second).trace(*second_args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("splits, finish_rows, chunk", [(67, False, None), (3, True, None), (40, False, 8)])
-def test_wide_merges_lower_with_bulk_copies(splits, finish_rows, chunk):
-  """The merge that reads the decode kernel's partials takes them in
-  `merge.wide_partials`' layout (the kernel stores them so with
-  `partial_cols`) and copies them by bulk copies of contiguous runs, not by
-  TMA boxes of narrow rows: the grouped pass (67 splits, 8 channels per CTA),
-  the per-split ring (3 splits) and the first of two passes (40 splits).
-  Lowered for CUDA on the CPU, both kernels, at batch 1 x 128 heads."""
+def test_grouped_merge_lowers_with_bulk_copies():
+  """The grouped merge's partials (`merge.wide_partials`' layout, which the
+  decode kernel stores with `partial_cols`) come in by bulk copies, the
+  row's LSE in one and whole groups of splits in each other, not by TMA
+  boxes of narrow rows. Lowered for CUDA on the CPU, both kernels at 1 x 128 x 128K's
+  shape (67 splits, 8 channels per merge CTA)."""
   from jaxkv.kernels.mla_decode import kernel, merge
 
-  batch, hp, parts = 1, 128, 66
-  group = chunk is None and merge.use_grouped(batch=batch, head_groups=2, num_splits=splits)
-  assert group == (splits == 67)
-  cols, _ = merge.tiling(batch=batch, head_groups=2, num_splits=splits, group=group, chunk=chunk)
-  assert cols == {67: 8, 3: 64, 40: 32}[splits]
+  batch, hp, splits, parts = 1, 128, 67, 66
+  cols, _ = merge.grouped_tiling(batch=batch, head_groups=2, num_splits=splits)
+  assert cols == 8
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits, block_size=64,
-      sm_scale=SCALE, select=True, interpret=None, partial_cols=cols, finish_rows=finish_rows,
+      sm_scale=SCALE, select=True, interpret=None, partial_cols=cols,
   )
   args = (jax.ShapeDtypeStruct((batch, hp, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((16, 64, 576), jnp.bfloat16),
           i32(batch, 8), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1), i32(batch))
-  o, lse, *finished = jax.eval_shape(decode, *args)
+  o, lse = jax.eval_shape(decode, *args)
   assert o.shape == (batch, 512 // cols, 2, splits, 64, cols) and lse.shape == (batch, 2, splits, 64)
   assert "wgmma.mma_async" in jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   combine = merge.build_merge(batch=batch, num_splits=splits, heads_padded=hp, dv=512,
-                              max_tokens=4096, out_dtype=jnp.bfloat16, interpret=None,
-                              group=group, wide=True, finish_rows=finish_rows, chunk=chunk)
-  text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse, *finished).lower(
+                              max_tokens=4096, out_dtype=jnp.bfloat16, interpret=None, group=True)
+  text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert "cp.async.bulk.shared::cta.global" in text
+  assert "cp.async.bulk.shared::cta.global" in text  # the LSE and the groups of splits
   assert "cp.async.bulk.tensor" not in text
 
 
@@ -707,17 +703,14 @@ def test_a_stale_plan_reads_nothing_outside_the_rows():
 
 
 @pytest.mark.parametrize(
-    "splits, group, stages, wide",
-    [(3, False, None, False), (3, False, None, True), (9, False, None, False),
-     (9, False, None, True), (9, True, None, True), (20, True, 1, True)],
+    "splits, group, stages", [(3, False, None), (9, False, None), (9, True, None), (20, True, 1)]
 )
-def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, stages, wide):
+def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, stages):
   """The merge reads a row's live splits only (more of them than its ring
   holds with 9), and leaves the rows the decode kernel finished itself (one
   split over the whole row) exactly as they were. With `group` the splits
   come 8 per copy (the last copy overlapping the one before it at 9 and 20)
-  and, with one group in flight, the ring refills behind the reads. With
-  `wide` the partials come in `wide_partials`' layout (always with `group`)."""
+  and, with one group in flight, the ring refills behind the reads."""
   from jaxkv.kernels.mla_decode.merge import (
       build_merge, grouped_tiling, merge_tiling, wide_partials)
 
@@ -748,14 +741,9 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   tiling = dict(cols=64, stages=stages) if stages else {}
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
                       max_tokens=30 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
-                      finish_rows=True, group=group, wide=wide, **tiling)
-  if wide:  # the partials in the merge CTAs' layout
-    if stages:
-      cols = 64
-    elif group:
-      cols = grouped_tiling(batch=batch, head_groups=2, num_splits=splits)[0]
-    else:
-      cols = merge_tiling(splits)[0]
+                      finish_rows=True, group=group, **tiling)
+  if group:  # the grouped merge reads the partials in its own layout
+    cols = 64 if stages else grouped_tiling(batch=batch, head_groups=2, num_splits=splits)[0]
     o_bad, lse_bad = wide_partials(o_bad, lse_bad, cols)
   out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
@@ -795,7 +783,7 @@ def test_merge_in_two_passes_matches_combine():
   """Chunks of a row's live splits first (split 0 alone, then 3 at a time),
   then the chunks' results: the same merge as one pass, NaN in the dead splits
   never read; a row whose live splits start past its first tile included."""
-  from jaxkv.kernels.mla_decode.merge import build_merge, chunk_edge, chunk_edges, wide_partials
+  from jaxkv.kernels.mla_decode.merge import build_merge, chunk_edge, chunk_edges
 
   rng = np.random.default_rng(13)
   batch, splits, heads, chunk = 3, 8, 64, 3
@@ -812,12 +800,6 @@ def test_merge_in_two_passes_matches_combine():
   common = dict(batch=batch, heads_padded=heads, dv=512, max_tokens=12 * BS, interpret=RACES)
   first = build_merge(num_splits=splits, out_dtype=jnp.float32, chunk=chunk, **common)
   o1, lse1 = first(seq_lens, bounds, o_bad, lse_bad)
-  # The same first pass over the partials in the decode kernel's wide layout
-  # (32 channels a CTA): the same sums in the same order.
-  first_wide = build_merge(num_splits=splits, out_dtype=jnp.float32, chunk=chunk, wide=True, **common)
-  o1w, lse1w = first_wide(seq_lens, bounds, *wide_partials(o_bad, lse_bad, 32))
-  np.testing.assert_array_equal(np.asarray(o1w), np.asarray(o1))
-  np.testing.assert_array_equal(np.asarray(lse1w), np.asarray(lse1))
   edges = chunk_edges(splits, chunk)
   np.testing.assert_array_equal(edges, [0, 1, 4, 7, 8])
   for s_, c_ in ((8, 3), (67, 8), (52, 8), (33, 8), (9, 8)):  # the kernels' traced twin

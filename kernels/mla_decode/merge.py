@@ -92,18 +92,6 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int) -> tuple[in
   return cols, max(1, min(groups, GROUP_SMEM // per_group))
 
 
-def tiling(*, batch: int, head_groups: int, num_splits: int, group: bool,
-           chunk: int | None = None) -> tuple[int, int]:
-  """(value channels per CTA, splits or groups in flight per CTA) of
-  `build_merge`'s default tiling: `grouped_tiling` with `group`, else
-  `merge_tiling`, and for the first of two passes (`chunk`) 32 channels with
-  the whole chunk in flight. Its channels are the decode kernel's
-  `partial_cols` when that merge reads the partials in the wide layout."""
-  if group:
-    return grouped_tiling(batch=batch, head_groups=head_groups, num_splits=num_splits)
-  return merge_tiling(num_splits) if chunk is None else (COLS // 2, chunk)
-
-
 def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   """Whether rows of `num_splits` splits take the grouped merge: past
   `MAX_SPLITS` (where the per-split ring needs two passes), up to
@@ -179,7 +167,7 @@ def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
-    group: bool = False, wide: bool = False,
+    group: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -209,25 +197,23 @@ def build_merge(
   edge_chunk)[k]` itself, which saves the XLA gather of those columns (a
   launch of its own: 0.7-1.5 µs at batch 1-4 on the H200).
 
-  With `wide` (always with `group`), o and lse come in `wide_partials(o, lse,
-  cols)`'s layout (the decode kernel's with `partial_cols=cols`), and every
-  copy is a bulk copy of a contiguous run.
-
-  With `group` (one pass over rows of more than `GROUP` splits), the splits come in `GROUP` per copy and
+  With `group` (one pass over rows of more than `GROUP` splits), o and lse
+  come in `wide_partials`' layout, the splits come in `GROUP` per copy and
   are weighted by the row's LSE maximum taken first (`grouped_tiling` when
   cols / stages are None; stages then counts groups in flight).
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
-    cols, stages = tiling(batch=batch, head_groups=heads_padded // HEAD_TILE,
-                          num_splits=num_splits, group=group, chunk=chunk)
+    if group:
+      cols, stages = grouped_tiling(
+          batch=batch, head_groups=heads_padded // HEAD_TILE, num_splits=num_splits)
+    else:
+      cols, stages = merge_tiling(num_splits) if chunk is None else (COLS // 2, chunk)
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
   assert not group or (chunk is None and edge_chunk is None
                        and GROUP < num_splits <= GROUP_MAX_SPLITS)
-  assert edge_chunk is None or not wide  # the second pass reads the first's results
-  wide = wide or group
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
@@ -268,11 +254,6 @@ def build_merge(
     else:
       run()
 
-  def wide_run(b):
-    # Where this CTA's splits start in the flattened wide o (`merge` below).
-    return ((b * (dv // cols) + lax.axis_index("c")) * (heads_padded // HEAD_TILE)
-            + lax.axis_index("g")) * num_splits
-
   def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
     """`(acc, m, l)` of the row's n live splits, one at a time through a ring."""
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -280,14 +261,8 @@ def build_merge(
     def fetch(j):
       slot = lax.rem(j, stages)
       src = first + j
-      if wide:  # contiguous runs, inside the arrays: bulk copies
-        in_bounds = dict(oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-        o_src, lse_src = o_ref.at[wide_run(b) + src], lse_ref.at[b, lax.axis_index("g"), src]
-      else:
-        in_bounds = {}
-        o_src, lse_src = o_ref.at[b, src, heads, chans], lse_ref.at[b, src, heads]
-      plgpu.copy_gmem_to_smem(o_src, o_buf.at[slot], bar.at[slot], **in_bounds)
-      plgpu.copy_gmem_to_smem(lse_src, lse_buf.at[slot], bar.at[slot], **in_bounds)
+      plgpu.copy_gmem_to_smem(o_ref.at[b, src, heads, chans], o_buf.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, src, heads], lse_buf.at[slot], bar.at[slot])
 
     for k in range(stages):
       pl.when(k < n)(lambda k=k: fetch(k))
@@ -323,7 +298,8 @@ def build_merge(
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     del chans  # o is `wide_partials`' layout, flattened (see `merge` below)
-    run_start = wide_run(b)
+    run_start = ((b * (dv // cols) + lax.axis_index("c")) * (heads_padded // HEAD_TILE)
+                 + lax.axis_index("g")) * num_splits
 
     def fetch(k):
       # The group's `[GROUP, 64, cols]` is contiguous in GMEM and inside the
@@ -402,18 +378,15 @@ def build_merge(
       grid=(batch, *per_row, heads_padded // HEAD_TILE, dv // cols),
       grid_names=("b", *(("k",) if chunk else ()), "g", "c"),
       scratch_types=scratch,
-      # Lane semantics where the copies are bulk: Warpgroup semantics' layout
-      # inference would give the SMEM tiles an (8, 8) tiling and a 32-byte
-      # swizzle, and the copies would be TMA boxes of `cols * 4`-byte rows again.
       compiler_params=plgpu.CompilerParams(
-          approx_math=True, **(dict(lowering_semantics=plgpu.LoweringSemantics.Lane) if wide else {})),
+          approx_math=True, **(dict(lowering_semantics=plgpu.LoweringSemantics.Lane) if group else {})),
       kernel_name="jaxkv_mla_decode_merge",
       interpret=interpret,
   )
 
-  if wide:
+  if group:
     # `wide_partials`' layout with every dimension but a split's tile as one
-    # (a free reshape): a split's or a group's copy is a contiguous slice.
+    # (a free reshape): a group's copy is then a contiguous slice.
     flat = lambda o: o.reshape(-1, HEAD_TILE, cols)
   else:
     flat = lambda o: o

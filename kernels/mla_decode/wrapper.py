@@ -137,10 +137,9 @@ def mla_decode(
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped", "wide"))
+    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
-                q_regs, grouped=None, wide=True):
+                q_regs, grouped=None):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -155,21 +154,17 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # the epilogue's branch costs more than it saves.
   finish_rows = batch > plan.num_parts
   # Rows of many splits at batch 1-4: one grouped pass (`merge.use_grouped`;
-  # `grouped` True / False forces it where it can run / keeps it off).
+  # `grouped` True / False forces it where it can run / keeps it off), which
+  # reads the partials in its own layout.
   head_groups = heads_padded // _kernel.HEAD_TILE
   if grouped is None:
     group = _merge.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   else:
     group = grouped and _merge.GROUP < plan.num_splits <= _merge.GROUP_MAX_SPLITS
-  group = group and wide
-  chunk = None if group or plan.num_splits <= _merge.MAX_SPLITS else _merge.CHUNK
-  # The merge that reads the kernel's partials takes them in its CTAs' layout
-  # (`merge.wide_partials`: the kernel stores them so, and every copy is a
-  # bulk copy); `wide=False` keeps `[batch, splits, heads, 512]`.
   partial_cols = None
-  if wide:
-    partial_cols, _ = _merge.tiling(batch=batch, head_groups=head_groups,
-                                    num_splits=plan.num_splits, group=group, chunk=chunk)
+  if group:
+    partial_cols, _ = _merge.grouped_tiling(
+        batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
@@ -182,12 +177,13 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, dv=_kernel.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
-  if chunk is not None:
+  if not group and plan.num_splits > _merge.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
     # results as the rows' splits.
+    chunk = _merge.CHUNK
     first = _merge.build_merge(
-        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, wide=wide, **merge_args
+        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **merge_args
     )
     o, lse = first(seq_lens, plan.bounds, o, lse)
     # The second pass reads the chunks' bounds from the plan's own columns.
@@ -201,7 +197,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # never the unwritten rest, and writes the rows the kernel did not.
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      wide=wide, **merge_args
+      **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return out[:, :heads], lse_out[:, :heads]
