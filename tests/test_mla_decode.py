@@ -772,7 +772,7 @@ def test_merge_path_by_plan_shape():
       (8, 1, 27): (False, 32, 2),  # one pass of the per-split ring
       (4, 2, 52): (False, 32, 2),  # wide tiles: not measured, not taken
   }
-  assert not use_grouped(batch=1, head_groups=2, num_splits=129)  # past the LSE copy's box
+  assert not use_grouped(batch=1, head_groups=2, num_splits=129)  # past GROUP_MAX_SPLITS
   for (batch, groups, splits), want in cases.items():
     cols, stages = grouped_tiling(batch=batch, head_groups=groups, num_splits=splits)
     assert (use_grouped(batch=batch, head_groups=groups, num_splits=splits), cols, stages) == want

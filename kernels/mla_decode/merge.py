@@ -16,11 +16,13 @@ chunk, into float32 results; the second merges those as the row's splits.
 
 Where `use_grouped` says so (rows of more than `MAX_SPLITS` splits at batch
 1-4), one pass merges them instead with the splits grouped
-(`build_merge(group=True)`): each TMA copy brings `GROUP` splits of a CTA's
+(`build_merge(group=True)`): each copy brings `GROUP` splits of a CTA's
 tile at once, so a CTA holds all of a row's splits in a handful of copies;
 the row's LSE comes first and its maximum is taken before any value tile is
 read, so the splits' weighted sum is a chain of FMAs rather than one
-online-softmax step per split.
+online-softmax step per split. The decode kernel then stores its partials
+in this merge's layout (`wide_partials`: a CTA's splits contiguous), so
+that every copy is a bulk copy rather than a TMA box of narrow rows.
 
 With `finish_rows` (the decode kernel's), the merge writes into the decode
 kernel's output in place (a Pallas state discharge aliases it): rows the
@@ -57,8 +59,9 @@ CHUNK = 8
 GROUP = 8
 GROUP_SMEM = 160 * 1024
 GROUP_CTAS = 128
-# At most this many splits (the LSE copy's box is at most 256 slots, and its
-# buffer sits beside the ring's; measured up to 67).
+# At most this many splits (the row's LSE, splits x 64 floats, sits beside the
+# ring's GROUP_SMEM). Measured on the H200 up to 101 splits on the default
+# path; 133 (1 x 64 x 128K, forced, 64 CTAs) was slower than the two passes.
 GROUP_MAX_SPLITS = 128
 
 
@@ -81,9 +84,9 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int) -> tuple[in
   The channels shrink (down to 8, the narrowest wgmma-layout tile) until the
   grid has about `GROUP_CTAS` CTAs, so batch 1 still spreads over the SMs;
   the ring holds as many `GROUP`-split groups as `GROUP_SMEM` allows (all of
-  a row's at 1 x 128 x 128K: 9 groups of 16 KB). Narrow tiles are slow to
-  copy (64 rows of 32 bytes at 8 channels), which is why `use_grouped`
-  keeps grids of fewer CTAs on the per-split ring."""
+  a row's at 1 x 128 x 128K: 9 groups of 16 KB). A grid of fewer CTAs
+  (1 x 64 heads) is slower than the two passes even with bulk copies, which
+  is why `use_grouped` keeps it on the per-split ring."""
   cols = 64
   while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
     cols //= 2
@@ -98,11 +101,13 @@ def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   `GROUP_MAX_SPLITS`, and where its grid reaches `GROUP_CTAS` with 8 or 16
   channels per CTA (wider tiles, at batch 4 x 128 heads and up, were not
   measured with rows this long). Measured on the H200 (merge alone, same
-  run, against the per-split ring): 1 x 128 x 128K (67 splits, 8 channels per CTA) 8.1 µs
-  against 10.3, 4 x 64 x 128K and 2 x 128 x 64K (52, 16 channels) 8.3 / 8.2
-  against 10.8 / 10.5; but 1 x 64 x 128K (133 splits, 64 CTAs of 8 channels)
-  19.4 against 10.8, and rows of 15-27 splits, which the ring takes in one
-  pass, 9.3-9.8 against 6.5-7.6 (NOTES.md)."""
+  run, against the per-split ring, partials in `wide_partials`' layout):
+  1 x 128 x 128K (67 splits, 8 channels per CTA) 6.2 µs against 10.2,
+  4 x 64 x 128K and 2 x 128 x 64K (52, 16 / 8 channels) 7.0 / 6.9 against
+  11.5 / 11.5, 2 x 64 x 64K (101, 8 channels) 9.1 against 10.6; but
+  1 x 64 x 128K (133 splits, 64 CTAs of 8 channels, forced) 15.7 against
+  10.7, and rows of 15-27 splits, which the ring takes in one pass, 10.4-11.0
+  against 6.4-7.3 (NOTES.md)."""
   if not MAX_SPLITS < num_splits <= GROUP_MAX_SPLITS:
     return False
   cols, _ = grouped_tiling(batch=batch, head_groups=head_groups, num_splits=num_splits)
