@@ -383,6 +383,9 @@ def build_merge(
       grid=(batch, *per_row, heads_padded // HEAD_TILE, dv // cols),
       grid_names=("b", *(("k",) if chunk else ()), "g", "c"),
       scratch_types=scratch,
+      # The grouped pass lowers with Lane semantics: Warpgroup semantics' layout
+      # inference would give its SMEM tiles an (8, 8) tiling and a 32-byte
+      # swizzle, and its bulk copies would be TMA boxes of narrow rows again.
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **(dict(lowering_semantics=plgpu.LoweringSemantics.Lane) if group else {})),
       kernel_name="jaxkv_mla_decode_merge",
