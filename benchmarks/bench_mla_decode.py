@@ -148,6 +148,15 @@ VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True)}
 
 
+def errors(out, lse, ref_out, ref_lse):
+  """(relative error of out, largest LSE error where the reference is finite,
+  whether out is finite) against the reference's results."""
+  o32, r32 = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+  err = np.linalg.norm(o32 - r32) / np.linalg.norm(r32)
+  lerr = np.nanmax(np.abs(np.where(np.isinf(ref_lse), 0, np.asarray(lse) - np.asarray(ref_lse))))
+  return err, lerr, bool(np.isfinite(o32).all())
+
+
 def check_correctness(rng, variant="default"):
   kernel_kw = VARIANTS.get(variant, {})
   print(f"variant {variant}: {kernel_kw}")
@@ -164,10 +173,7 @@ def check_correctness(rng, variant="default"):
     cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
     out, lse = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode, config=cfg)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode)
-    o32, r32 = np.asarray(out, np.float32), np.asarray(ro, np.float32)
-    err = np.linalg.norm(o32 - r32) / np.linalg.norm(r32)
-    lerr = np.nanmax(np.abs(np.where(np.isinf(rl), 0, np.asarray(lse) - np.asarray(rl))))
-    rows.append((heads, splits, mode, err, lerr, bool(np.isfinite(o32).all())))
+    rows.append((heads, splits, mode, *errors(out, lse, ro, rl)))
   # NaN poisoning: tails and the null block NaN. The last two rows have
   # splits of 2-3 blocks (steady-state loop, then the peeled last step).
   lens_np = [64, 65, 0, 127, 300, 257]
@@ -213,14 +219,15 @@ def check_grouped(rng, kernel_kw):
                            interpret=None, kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs,
                            grouped=True if forced else None)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
-    o32, r32 = np.asarray(out, np.float32), np.asarray(ro, np.float32)
-    err = np.linalg.norm(o32 - r32) / np.linalg.norm(r32)
-    lerr = np.nanmax(np.abs(np.where(np.isinf(rl), 0, np.asarray(lse) - np.asarray(rl))))
-    taken = forced or merge.use_grouped(batch=len(lens_np), head_groups=-(-heads // 64),
-                                        num_splits=plan.num_splits)
+    err, lerr, finite = errors(out, lse, ro, rl)
+    if forced:  # where `_mla_decode(grouped=True)` can take it
+      taken = merge.GROUP < plan.num_splits <= merge.GROUP_MAX_SPLITS
+    else:
+      taken = merge.use_grouped(batch=len(lens_np), head_groups=-(-heads // 64),
+                                num_splits=plan.num_splits)
     print(f"grouped merge: {len(lens_np)} x {heads}, {plan.num_splits} splits, grouped {taken}"
           f"{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e}")
-    ok = ok and taken and err < 1e-2 and lerr < 1e-2 and bool(np.isfinite(o32).all())
+    ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite
   return ok
 
 

@@ -161,15 +161,18 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     group = _merge.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   else:
     group = grouped and _merge.GROUP < plan.num_splits <= _merge.GROUP_MAX_SPLITS
-  partial_cols = None
+  # One tiling for both: the decode kernel stores its partials in the grouped
+  # merge CTAs' layout, `partial_cols` channels each.
+  tiling = {}
   if group:
-    partial_cols, _ = _merge.grouped_tiling(
+    cols, stages = _merge.grouped_tiling(
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
+    tiling = dict(cols=cols, stages=stages)
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
-      q_regs=q_regs, partial_cols=partial_cols,
+      q_regs=q_regs, partial_cols=tiling.get("cols"),
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)
@@ -197,7 +200,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # never the unwritten rest, and writes the rows the kernel did not.
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      **merge_args
+      **tiling, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return out[:, :heads], lse_out[:, :heads]
