@@ -145,12 +145,7 @@ VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
 # private arguments): "ungrouped" merges rows of many splits with the
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
 # "grouped" takes the grouped pass wherever a row has more than 8 splits.
-MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
-                  "noearly": dict(merge_opts=(("early", False),)),
-                  "st2": dict(merge_opts=(("cols", 64), ("stages", 2))),
-                  "c16": dict(merge_opts=(("cols", 16), ("stages", 8))),
-                  "c16x16": dict(merge_opts=(("cols", 16), ("stages", 16))),
-                  "tp16": dict(merge_opts=(("two_pass_above", 16),))}
+MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):

@@ -372,7 +372,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
   combine = merge.build_merge(
       batch=batch, num_splits=splits, heads_padded=hp, dv=512,
       max_tokens=max_blocks * block_size, out_dtype=jnp.bfloat16, interpret=None,
-      finish_rows=finish_rows, early=select,  # both with finish_rows and without
+      finish_rows=finish_rows,
   )
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   merge_args = (i32(batch), i32(batch, splits + 1), f32(batch, splits, hp, 512), f32(batch, splits, hp))
@@ -703,19 +703,14 @@ def test_a_stale_plan_reads_nothing_outside_the_rows():
 
 
 @pytest.mark.parametrize(
-    "splits, group, stages, early, finish",
-    [(3, False, None, False, True), (9, False, None, False, True), (9, True, None, False, True),
-     (20, True, 1, False, True), (3, False, None, True, True), (9, False, None, True, False),
-     (3, False, 2, True, False)],
+    "splits, group, stages", [(3, False, None), (9, False, None), (9, True, None), (20, True, 1)]
 )
-def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, stages, early, finish):
-  """The merge uses a row's live splits only (more of them than its ring
-  holds with 9), and with `finish` leaves the rows the decode kernel
-  finished itself (one split over the whole row) exactly as they were. With
-  `group` the splits come 8 per copy (the last copy overlapping the one
-  before it at 9 and 20) and, with one group in flight, the ring refills
-  behind the reads. With `early` the ring's first slots are fetched before
-  the live count is known: dead splits' NaN land in SMEM and must not leak."""
+def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, stages):
+  """The merge reads a row's live splits only (more of them than its ring
+  holds with 9), and leaves the rows the decode kernel finished itself (one
+  split over the whole row) exactly as they were. With `group` the splits
+  come 8 per copy (the last copy overlapping the one before it at 9 and 20)
+  and, with one group in flight, the ring refills behind the reads."""
   from jaxkv.kernels.mla_decode.merge import (
       build_merge, grouped_tiling, merge_tiling, wide_partials)
 
@@ -738,7 +733,7 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   # Row 1's one split covers it whole: the decode kernel wrote it (random
   # bytes here, which must come back untouched). Row 4's one live split does
   # not start at its first tile: merged. The rest: NaN until merged.
-  finished = np.array([False, finish, False, False, False])
+  finished = np.array([False, True, False, False, False])
   kept = rng.standard_normal((batch, heads, 512)).astype(np.float32)
   kept_lse = rng.standard_normal((batch, heads)).astype(np.float32)
   out0 = jnp.asarray(np.where(finished[:, None, None], kept, np.nan), jnp.bfloat16)
@@ -746,17 +741,15 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   tiling = dict(cols=64, stages=stages) if stages else {}
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
                       max_tokens=30 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
-                      finish_rows=finish, group=group, early=early, **tiling)
+                      finish_rows=True, group=group, **tiling)
   if group:  # the grouped merge reads the partials in its own layout
     cols = 64 if stages else grouped_tiling(batch=batch, head_groups=2, num_splits=splits)[0]
     o_bad, lse_bad = wide_partials(o_bad, lse_bad, cols)
-  extra = (out0, lse0) if finish else ()
-  out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, *extra)
+  out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16
-  if finish:
-    np.testing.assert_array_equal(np.asarray(out[1]).view(np.uint16), np.asarray(out0[1]).view(np.uint16))
-    np.testing.assert_array_equal(np.asarray(lse_out[1]), kept_lse[1])
+  np.testing.assert_array_equal(np.asarray(out[1]).view(np.uint16), np.asarray(out0[1]).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(lse_out[1]), kept_lse[1])
   rest = ~finished
   out32 = np.asarray(out, np.float32)[rest]
   want = np.asarray(want)[rest]

@@ -172,7 +172,7 @@ def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
-    group: bool = False, early: bool = False,
+    group: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -220,8 +220,6 @@ def build_merge(
   assert not group or (chunk is None and edge_chunk is None
                        and GROUP < num_splits <= GROUP_MAX_SPLITS)
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
-  # Splits fetched before the live count is known (the ring's first slots).
-  early_slots = min(stages, span) if early and not group else 0
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):
     b = lax.axis_index("b")
@@ -242,25 +240,13 @@ def build_merge(
     def bound(j):
       return jnp.clip(bounds_ref[b, column(jnp.minimum(first + j, limit))], 0, ntiles)
 
-    c = lax.axis_index("c")
-    heads = pl.ds(lax.axis_index("g") * HEAD_TILE, HEAD_TILE)
-    chans = pl.ds(c * cols, cols)
-    fetch = ring_fetch(b, first, limit, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar)
-    for k in range(early_slots):
-      fetch(k)
-
-    def drain(n):
-      # The early copies no live split consumed still land before the exit.
-      for k in range(early_slots):
-        pl.when(k >= n)(lambda k=k: plgpu.barrier_wait(bar.at[k]))
-
     def run():
+      c = lax.axis_index("c")
+      heads = pl.ds(lax.axis_index("g") * HEAD_TILE, HEAD_TILE)
+      chans = pl.ds(c * cols, cols)
       n = live_splits(bound, span)  # the row's first n splits are its live ones
-      if group:
-        acc, m, l = merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar)
-      else:
-        acc, m, l = merge_row(n, fetch, o_buf, lse_buf, bar)
-        drain(n)
+      row = merge_row_grouped if group else merge_row
+      acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar)
       o, lse = softmax_finish(acc, m, l)
       row_out[heads, chans] = o.astype(out_dtype)
 
@@ -269,29 +255,21 @@ def build_merge(
         row_lse[heads] = lse
 
     if finish_rows:
-      wrote = kernel_wrote_row(ntiles, bound(0), bound(1))
-      pl.when(~wrote)(run)
-      if early_slots:
-        pl.when(wrote)(lambda: drain(0))
+      pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))(run)
     else:
       run()
 
-  def ring_fetch(b, first, limit, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
-    """`fetch(j)`: split `first + j`'s tile and LSE into ring slot `j % stages`
-    (a split index kept inside the array for an early copy past `limit`)."""
-    def fetch(j):
-      slot = lax.rem(j, stages)
-      src = jnp.minimum(first + j, limit - 1) if early_slots else first + j
-      plgpu.copy_gmem_to_smem(o_ref.at[b, src, heads, chans], o_buf.at[slot], bar.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[b, src, heads], lse_buf.at[slot], bar.at[slot])
-    return fetch
-
-  def merge_row(n, fetch, o_buf, lse_buf, bar):
-    """`(acc, m, l)` of the row's n live splits, one at a time through a ring
-    (its first `early_slots` slots already fetched)."""
+  def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
+    """`(acc, m, l)` of the row's n live splits, one at a time through a ring."""
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    for k in range(early_slots, stages):
+    def fetch(j):
+      slot = lax.rem(j, stages)
+      src = first + j
+      plgpu.copy_gmem_to_smem(o_ref.at[b, src, heads, chans], o_buf.at[slot], bar.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, src, heads], lse_buf.at[slot], bar.at[slot])
+
+    for k in range(stages):
       pl.when(k < n)(lambda k=k: fetch(k))
 
     def step(j, carry):

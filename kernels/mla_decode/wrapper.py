@@ -137,10 +137,9 @@ def mla_decode(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "merge_opts"))
+    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
-                q_regs, grouped=None, merge_opts=()):
+                q_regs, grouped=None):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -177,13 +176,11 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)
-  opts = dict(merge_opts)
   merge_args = dict(
       batch=batch, heads_padded=heads_padded, dv=_kernel.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
-      early=opts.get("early", not finish_rows),
   )
-  if not group and plan.num_splits > opts.get("two_pass_above", _merge.MAX_SPLITS):
+  if not group and plan.num_splits > _merge.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
     # results as the rows' splits.
@@ -201,8 +198,6 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     return out[:, :heads], lse_out[:, :heads]
   # A row's live splits are its first ones; the merge reads those alone,
   # never the unwritten rest, and writes the rows the kernel did not.
-  if not group and "cols" in opts:
-    tiling = dict(cols=opts["cols"], stages=opts["stages"])
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       **tiling, **merge_args
