@@ -8,11 +8,15 @@ with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`
 each the shape's default config with that field replaced, on the default's
 plan; the check runs every variant the shapes name; ":ungrouped" merges rows
 of many splits with the per-split ring instead of the grouped pass,
-":grouped" takes the grouped pass wherever a row has more than 8 splits).
+":grouped" takes the grouped pass wherever a row has more than 8 splits;
+":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
+that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
 bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
-same-run Pallas paged-gather ceiling over the same blocks, and the XLA
+same-run Pallas paged-gather ceiling over the same blocks (the faster of the
+gather cut as the kernel's plan cuts the rows and cut as finely as any plan
+would: every SM busy), and the XLA
 reference (gather + einsum). Every timed call reads its own block table over
 disjoint blocks so that L2 never serves a repeat.
 """
@@ -141,6 +145,8 @@ def table_for(rng, lens, num_blocks, max_blocks, bs=BS):
 VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
             "qr0": dict(q_regs=0), "qr64": dict(q_regs=64), "qr128": dict(q_regs=128),
             "qr192": dict(q_regs=192)}
+# Variants of the plan (each gets its own plan from these config fields).
+PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # Variants of the merge rather than of the kernel's config (`_mla_decode`'s
 # private arguments): "ungrouped" merges rows of many splits with the
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
@@ -288,6 +294,15 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
     if not res.get("names"):
       res["names"] = sorted({nm[:40] for nm, _ in names})
   for name in variants:  # the same plan, another kernel or merge variant
+    if name in PLAN_VARIANTS:  # another plan: the default kernel on it
+      cfg = dataclasses.replace(default_config(batch=batch, num_heads=heads), **PLAN_VARIANTS[name])
+      vplan = mla_decode_plan(lens, num_heads=heads, block_size=bs, config=cfg)
+      fn = jax.jit(lambda q, c, ts, s, p: [
+          mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p) for t in ts])
+      ms, names = timed(fn, q, cache, tables, lens, vplan)
+      res[name] = ms / copies
+      res[name + "_kernel"], res[name + "_merge"] = kernel_and_merge(names, copies)
+      continue
     if name in MERGE_VARIANTS:
       cfg = default_config(batch=batch, num_heads=heads)
       fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg, kw=MERGE_VARIANTS[name]: [
@@ -301,13 +316,20 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
     res[name] = ms / copies
     res[name + "_kernel"], res[name + "_merge"] = kernel_and_merge(names, copies)
   g = jax.jit(lambda c, ts, bnd: gather_ceiling(c, ts, bnd))
+  # The ceiling is the faster of the gather over the kernel's plan and over
+  # a plan cut as finely as any (every SM busy even where the kernel's plan
+  # leaves SMs idle, as its parts' least length can at batch 1).
+  fine = mla_decode_plan(lens, num_heads=heads, block_size=bs, config=MLADecodeConfig(
+      num_splits=min(256, max(plan.num_splits, -(-132 * 3 // (2 * batch)) + 2)), min_chunk_blocks=2))
   if bs != BS:  # the ceiling streams 64-slot blocks: the same bytes
     _, cache64, tables64, _ = make_problem(rng, lens_np, heads, copies)
-    ms, _ = timed(g, cache64, tables64, plan.bounds)
-    del cache64
   else:
-    ms, _ = timed(g, cache, tables, plan.bounds)
-  res["gather"] = ms / copies
+    cache64, tables64 = cache, tables
+  ms, _ = timed(g, cache64, tables64, plan.bounds)
+  ms_fine, _ = timed(g, cache64, tables64, fine.bounds)
+  del cache64
+  res["gather_plan"], res["gather_fine"] = ms / copies, ms_fine / copies
+  res["gather"] = min(ms, ms_fine) / copies
   if with_xla:
     fx = jax.jit(lambda q, c, t, s: mla_decode_reference(q, c, t, s, sm_scale=D**-0.5))
     ms, _ = timed(fx, q, cache, tables[0], lens, iters=3)
@@ -320,7 +342,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", nargs="*", default=None,
                   help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:VARIANT ...], VARIANT in "
-                       + " ".join([*VARIANTS, *MERGE_VARIANTS]))
+                       + " ".join([*VARIANTS, *MERGE_VARIANTS, *PLAN_VARIANTS]))
   ap.add_argument("--skip-check", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -339,13 +361,13 @@ def main():
     bs = next((int(x[2:]) for x in parts[3:] if x.startswith("bs")), BS)
     try:
       r = bench_shape(rng, b, h, c, modes, "xla" in parts, bs=bs,
-                      variants=[v for v in (*VARIANTS, *MERGE_VARIANTS) if v in parts])
+                      variants=[v for v in (*VARIANTS, *MERGE_VARIANTS, *PLAN_VARIANTS) if v in parts])
     except Exception as e:  # keep measuring the other shapes
       print("FAILED", spec, repr(e)[:300], flush=True)
       continue
     out.append(r)
     print(r, flush=True)
-  print("\nbatch heads ctx bs splits | select ms TB/s TFLOP/s | kernel-only ms (merge µs) | multiply ms (kernel) sel/mul | gather ms TB/s | gather/sel | xla ms  x | variant ms (variant/default)")
+  print("\nbatch heads ctx bs splits | select ms TB/s TFLOP/s | kernel-only ms (merge µs) | multiply ms (kernel) sel/mul | gather ms TB/s (plan / fine ms) | gather/sel | xla ms  x | variant ms (variant/default)")
   for r in out:
     ms = r["select"]
     tbs = r["bytes"] / ms / 1e9
@@ -355,9 +377,9 @@ def main():
            if "multiply" in r else "-")
     xla = f"{r['xla']:.3f} {r['xla'] / ms:.1f}x" if "xla" in r else "-"
     dep = " ".join(f"{v} {r[v]:.4f} ({r[v] / ms:.3f}; merge {1e3 * r[v + '_merge']:.1f})"
-                   for v in (*VARIANTS, *MERGE_VARIANTS) if v in r) or "-"
+                   for v in (*VARIANTS, *MERGE_VARIANTS, *PLAN_VARIANTS) if v in r) or "-"
     print(f"{r['batch']:5d} {r['heads']:5d} {r['ctx']:6d} {r['bs']:3d} {r['splits']:4d} | {ms:.3f} {tbs:.2f} {tf:.0f} | "
-          f"{r['select_kernel']:.3f} ({1e3 * r['select_merge']:.1f}) | {mul} | {r['gather']:.3f} {gtbs:.2f} | {r['gather'] / ms:.2f} | {xla} | {dep}")
+          f"{r['select_kernel']:.3f} ({1e3 * r['select_merge']:.1f}) | {mul} | {r['gather']:.3f} {gtbs:.2f} ({r['gather_plan']:.4f} / {r['gather_fine']:.4f}) | {r['gather'] / ms:.2f} | {xla} | {dep}")
 
 
 if __name__ == "__main__":
