@@ -95,6 +95,8 @@ def _assert_close(got, want):
         ([1, BS - 1, BS, BS + 1, 0, 3 * BS - 7], 16, 1, RACES),
         ([5 * BS + 3, 0, 2 * BS], 64, 3, FAST),
         ([5 * BS - 1, BS + 1], 128, 2, FAST),
+        # Two head groups, the second padded (heads 64-95 real, 96-127 not).
+        ([2 * BS + 1, 5], 96, 2, FAST),
         # More splits than the per-split merge takes in one pass: three rows
         # fill the grouped merge's grid (8 channels a CTA); one row does not,
         # and goes through the two passes; with 128 heads it does (two head
