@@ -151,7 +151,9 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # private arguments): "ungrouped" merges rows of many splits with the
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
 # "grouped" takes the grouped pass wherever a row has more than 8 splits.
-MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True)}
+MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
+                  "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
+                  "finish": dict(finish=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):

@@ -78,7 +78,8 @@ def merge_tiling(num_splits: int) -> tuple[int, int]:
   return COLS // 2, 2 * STAGES
 
 
-def grouped_tiling(*, batch: int, head_groups: int, num_splits: int) -> tuple[int, int]:
+def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
+                   cols: int | None = None) -> tuple[int, int]:
   """(value channels per CTA, groups in flight per CTA) of the grouped merge.
 
   The channels shrink (down to 8, the narrowest wgmma-layout tile) until the
@@ -87,9 +88,10 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int) -> tuple[in
   a row's at 1 x 128 x 128K: 9 groups of 16 KB). A grid of fewer CTAs
   (1 x 64 heads) is slower than the two passes even with bulk copies, which
   is why `use_grouped` keeps it on the per-split ring."""
-  cols = 64
-  while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
-    cols //= 2
+  if cols is None:
+    cols = 64
+    while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
+      cols //= 2
   groups = -(-num_splits // GROUP)
   per_group = GROUP * HEAD_TILE * cols * 4
   return cols, max(1, min(groups, GROUP_SMEM // per_group))

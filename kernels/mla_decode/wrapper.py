@@ -137,9 +137,10 @@ def mla_decode(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped"))
+    jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
+                              "group_cols", "finish"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
-                q_regs, grouped=None):
+                q_regs, grouped=None, group_cols=None, finish=None):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -152,7 +153,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # which the kernel then finishes itself (out / lse_out; the splits of the
   # other rows come back in o / lse). Otherwise few rows would be whole, and
   # the epilogue's branch costs more than it saves.
-  finish_rows = batch > plan.num_parts
+  finish_rows = batch > plan.num_parts if finish is None else finish
   # Rows of many splits at batch 1-4: one grouped pass (`merge.use_grouped`;
   # `grouped` True / False forces it where it can run / keeps it off), which
   # reads the partials in its own layout.
@@ -166,7 +167,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   tiling = {}
   if group:
     cols, stages = _merge.grouped_tiling(
-        batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
+        batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols)
     tiling = dict(cols=cols, stages=stages)
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
