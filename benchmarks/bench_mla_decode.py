@@ -211,17 +211,20 @@ def check_correctness(rng, variant="default"):
 def check_grouped(rng, kernel_kw):
   """The grouped merge (`merge.use_grouped`, partials in `merge.wide_partials`'
   layout) on the plans that take it by default (1 x 128 heads, 8 channels per
-  merge CTA; 4 x 64, 16 channels), and forced on rows of 20-40 splits that
-  would take the per-split ring: the reference either way."""
+  merge CTA; 4 x 64, 16 channels; 8 x 64 at 27 splits, 8 channels), and
+  forced on rows of 20-40 splits that would take the per-split ring: the
+  reference either way."""
   ok = True
-  for heads, lens_np, forced in ((128, [9000], False), (64, [9000, 3000, 0, 9001], False),
-                                 (128, [4097, 1000, 9000, 5, 0, 3000, 64, 8000], True)):
+  rows8 = [4097, 1000, 9000, 5, 0, 3000, 64, 8000]
+  for heads, lens_np, forced, splits in ((128, [9000], False, 40),
+                                         (64, [9000, 3000, 0, 9001], False, 40),
+                                         (64, rows8, False, 27), (128, rows8, True, 40)):
     key = jax.random.key(heads + len(lens_np))
     cache = jax.random.normal(key, (400, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 1), (len(lens_np), heads, D), jnp.bfloat16)
     lens = jnp.asarray(lens_np, jnp.int32)
     table = table_for(rng, lens_np, 400, 150)
-    cfg = MLADecodeConfig(num_splits=40, min_chunk_blocks=1, **kernel_kw)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
     plan = mla_decode_plan(lens, num_heads=heads, config=cfg)
     out, lse = _mla_decode(q, cache, table, lens, plan, sm_scale=D**-0.5, select=True,
                            interpret=None, kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs,

@@ -104,6 +104,9 @@ def _assert_close(got, want):
         ([9 * BS + 3, 0, 2 * BS], 64, 40, FAST),
         ([40 * BS + 3], 64, 40, FAST),
         ([40 * BS + 3], 128, 40, FAST),
+        # 17-32 splits, one head group, a grid of 192 CTAs: the grouped merge
+        # at 8 channels per CTA rather than the per-split ring's one pass.
+        ([20 * BS + 3, 0, 9 * BS], 64, 24, FAST),
     ],
 )
 def test_matches_reference(seq_lens, heads, splits, interpret):
@@ -114,7 +117,7 @@ def test_matches_reference(seq_lens, heads, splits, interpret):
         config=MLADecodeConfig(num_splits=splits, min_chunk_blocks=1),
     )
     assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2
-    if plan.num_splits > 32:  # the merge path the comments above name
+    if plan.num_splits > 16:  # the merge path the comments above name
       from jaxkv.kernels.mla_decode.merge import use_grouped
 
       grouped = use_grouped(batch=len(seq_lens), head_groups=heads // 64, num_splits=plan.num_splits)
@@ -771,7 +774,9 @@ def test_merge_path_by_plan_shape():
       (4, 1, 52): (True, 16, 5),  # 4 x 64 x 128K: a ring of 5 of 7 groups
       (2, 2, 52): (True, 16, 5),
       (1, 1, 133): (False, 8, 10),  # 64 CTAs: the two passes
-      (8, 1, 27): (False, 32, 2),  # one pass of the per-split ring
+      (8, 1, 27): (True, 8, 4),  # 512 CTAs of 8 channels, every group in flight
+      (8, 2, 15): (False, 8, 2),  # 15 splits, two head groups: the per-split ring
+      (1, 1, 27): (False, 8, 4),  # a grid of 64 CTAs: the per-split ring
       (4, 2, 52): (False, 32, 2),  # wide tiles: not measured, not taken
   }
   assert not use_grouped(batch=1, head_groups=2, num_splits=129)  # past GROUP_MAX_SPLITS

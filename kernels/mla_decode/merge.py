@@ -63,6 +63,11 @@ GROUP_CTAS = 128
 # ring's GROUP_SMEM). Measured on the H200 up to 101 splits on the default
 # path; 133 (1 x 64 x 128K, forced, 64 CTAs) was slower than the two passes.
 GROUP_MAX_SPLITS = 128
+# Rows of this many splits up to MAX_SPLITS (which the per-split ring takes in
+# one pass) take the grouped merge too, at 8 channels per CTA, where a row has
+# one head group: 8 x 64 x 32K (27 splits) on the H200, end to end, two runs:
+# 0.971 / 0.975 of the ring's time (NOTES.md).
+GROUP_NARROW_MIN = 17
 
 
 def merge_tiling(num_splits: int) -> tuple[int, int]:
@@ -87,8 +92,13 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
   the ring holds as many `GROUP`-split groups as `GROUP_SMEM` allows (all of
   a row's at 1 x 128 x 128K: 9 groups of 16 KB). A grid of fewer CTAs
   (1 x 64 heads) is slower than the two passes even with bulk copies, which
-  is why `use_grouped` keeps it on the per-split ring."""
-  if cols is None:
+  is why `use_grouped` keeps it on the per-split ring. Rows the per-split
+  ring could take in one pass (at most `MAX_SPLITS` splits) take 8 channels
+  whatever the grid: at 8 x 64 x 32K (27 splits) 8 channels (512 CTAs) ran
+  0.975 of 32 (128 CTAs, two of four groups in flight) on the H200."""
+  if cols is None and num_splits <= MAX_SPLITS:
+    cols = 8
+  elif cols is None:
     cols = 64
     while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
       cols //= 2
@@ -108,8 +118,14 @@ def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   4 x 64 x 128K and 2 x 128 x 64K (52, 16 / 8 channels) 7.0 / 6.9 against
   11.5 / 11.5, 2 x 64 x 64K (101, 8 channels) 9.1 against 10.6; but
   1 x 64 x 128K (133 splits, 64 CTAs of 8 channels, forced) 15.7 against
-  10.7, and rows of 15-27 splits, which the ring takes in one pass, 10.4-11.0
-  against 6.4-7.3 (NOTES.md)."""
+  10.7. Rows of `GROUP_NARROW_MIN` to `MAX_SPLITS` splits, which the ring
+  takes in one pass, take it at 8 channels where a row has one head group
+  and the grid reaches `GROUP_CTAS` (end to end, two runs: 8 x 64 x 32K
+  0.971 / 0.975 of the ring, 8 x 64 x 64K 0.988); at 8 x 128 x 16K (15
+  splits, two head groups) it was even (1.002) and stays on the ring
+  (NOTES.md)."""
+  if GROUP_NARROW_MIN <= num_splits <= MAX_SPLITS:
+    return head_groups == 1 and batch * (512 // 8) >= GROUP_CTAS
   if not MAX_SPLITS < num_splits <= GROUP_MAX_SPLITS:
     return False
   cols, _ = grouped_tiling(batch=batch, head_groups=head_groups, num_splits=num_splits)
