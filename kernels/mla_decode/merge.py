@@ -15,7 +15,8 @@ chunks of a row's splits (split 0 alone, then `CHUNK` at a time), a CTA per
 chunk, into float32 results; the second merges those as the row's splits.
 
 Where `use_grouped` says so (rows of more than `MAX_SPLITS` splits at batch
-1-4), one pass merges them instead with the splits grouped
+1-4, and of `GROUP_NARROW_MIN` to `MAX_SPLITS` splits with one head group),
+one pass merges them instead with the splits grouped
 (`build_merge(group=True)`): each copy brings `GROUP` splits of a CTA's
 tile at once, so a CTA holds all of a row's splits in a handful of copies;
 the row's LSE comes first and its maximum is taken before any value tile is

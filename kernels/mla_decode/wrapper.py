@@ -151,12 +151,14 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # foreign plan cannot walk past a row's blocks): no XLA op per call.
   # More rows than parts: parts outgrow rows and many rows are one segment,
   # which the kernel then finishes itself (out / lse_out; the splits of the
-  # other rows come back in o / lse). Otherwise few rows would be whole, and
-  # the epilogue's branch costs more than it saves.
+  # other rows come back in o / lse). Otherwise few rows are whole, and what
+  # the merge saves the epilogue's branch costs (128 x 64 x 4K-8K on the H200:
+  # even). `finish` forces it on or off (the benchmark's A/B).
   finish_rows = batch > plan.num_parts if finish is None else finish
-  # Rows of many splits at batch 1-4: one grouped pass (`merge.use_grouped`;
-  # `grouped` True / False forces it where it can run / keeps it off), which
-  # reads the partials in its own layout.
+  # Rows of many splits (batch 1-4 past 32 splits; 17-32 with one head
+  # group): one grouped pass (`merge.use_grouped`; `grouped` True / False
+  # forces it where it can run / keeps it off, `group_cols` sets its channels
+  # per CTA), which reads the partials in its own layout.
   head_groups = heads_padded // _kernel.HEAD_TILE
   if grouped is None:
     group = _merge.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
