@@ -74,7 +74,8 @@ GROUP_NARROW_MIN = 17
 def merge_tiling(num_splits: int) -> tuple[int, int]:
   """(value channels per CTA, splits in flight per CTA) for rows of up to
   `num_splits` splits. Measured on the H200 (end to end, same run): at 8 x 64
-  x 32K (27 splits) (32, 8) took 0.0998 ms against 0.1025 with (64, 4). At
+  x 32K (27 splits) (32, 8) took 0.0998 ms against 0.1025 with (64, 4) (that
+  shape now takes the grouped pass, `use_grouped`). At
   batch 128 (3 splits) the ring holds a row's splits at once, and no deeper:
   slots no row fills only keep CTAs off the SM (merge alone, same run: 12.8
   -> 11.6 µs at 128 x 64 x 4K, 15.5 -> 14.9 at 128 x 128 x 4K with 3 slots
