@@ -43,7 +43,7 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_reference,
 )
 from jaxkv.kernels.mla_decode import merge
-from jaxkv.kernels.mla_decode.config import default_config
+from jaxkv.kernels.mla_decode.config import default_config, heuristic_config
 from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
 BS = 64
@@ -298,17 +298,14 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
     res[mode + "_kernel"], res[mode + "_merge"] = kernel_and_merge(names, copies)
     if not res.get("names"):
       res["names"] = sorted({nm[:40] for nm, _ in names})
-  for name in variants:  # the same plan, another kernel or merge variant
-    if name in PLAN_VARIANTS:  # another plan: the default kernel on it
+  for name in variants:  # the same plan, another kernel or merge variant; or another plan
+    vplan = plan
+    if name in PLAN_VARIANTS:  # the default kernel on its own plan
       cfg = dataclasses.replace(default_config(batch=batch, num_heads=heads), **PLAN_VARIANTS[name])
       vplan = mla_decode_plan(lens, num_heads=heads, block_size=bs, config=cfg)
       fn = jax.jit(lambda q, c, ts, s, p: [
           mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p) for t in ts])
-      ms, names = timed(fn, q, cache, tables, lens, vplan)
-      res[name] = ms / copies
-      res[name + "_kernel"], res[name + "_merge"] = kernel_and_merge(names, copies)
-      continue
-    if name in MERGE_VARIANTS:
+    elif name in MERGE_VARIANTS:
       cfg = default_config(batch=batch, num_heads=heads)
       fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg, kw=MERGE_VARIANTS[name]: [
           _mla_decode(q, c, t, s, p, sm_scale=D**-0.5, select=True, interpret=None,
@@ -317,15 +314,17 @@ def bench_shape(rng, batch, heads, mean_ctx, modes, with_xla, config=None, bs=BS
       cfg = dataclasses.replace(default_config(batch=batch, num_heads=heads), **VARIANTS[name])
       fn = jax.jit(lambda q, c, ts, s, p, cfg=cfg: [
           mla_decode(q, c, t, s, sm_scale=D**-0.5, plan=p, config=cfg) for t in ts])
-    ms, names = timed(fn, q, cache, tables, lens, plan)
+    ms, names = timed(fn, q, cache, tables, lens, vplan)
     res[name] = ms / copies
     res[name + "_kernel"], res[name + "_merge"] = kernel_and_merge(names, copies)
   g = jax.jit(lambda c, ts, bnd: gather_ceiling(c, ts, bnd))
   # The ceiling is the faster of the gather over the kernel's plan and over
   # a plan cut as finely as any (every SM busy even where the kernel's plan
   # leaves SMs idle, as its parts' least length can at batch 1).
-  fine = mla_decode_plan(lens, num_heads=heads, block_size=bs, config=MLADecodeConfig(
-      num_splits=min(256, max(plan.num_splits, -(-132 * 3 // (2 * batch)) + 2)), min_chunk_blocks=2))
+  # (The heuristic's splits admit the cuts of its one part per SM.)
+  heur = heuristic_config(batch=batch, num_heads=heads)
+  fine = mla_decode_plan(lens, num_heads=heads, block_size=bs, config=dataclasses.replace(
+      heur, num_splits=max(plan.num_splits, heur.num_splits), min_chunk_blocks=2))
   if bs != BS:  # the ceiling streams 64-slot blocks: the same bytes
     _, cache64, tables64, _ = make_problem(rng, lens_np, heads, copies)
   else:

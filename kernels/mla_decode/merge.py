@@ -98,10 +98,8 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
   ring could take in one pass (at most `MAX_SPLITS` splits) take 8 channels
   whatever the grid: at 8 x 64 x 32K (27 splits) 8 channels (512 CTAs) ran
   0.975 of 32 (128 CTAs, two of four groups in flight) on the H200."""
-  if cols is None and num_splits <= MAX_SPLITS:
-    cols = 8
-  elif cols is None:
-    cols = 64
+  if cols is None:
+    cols = 8 if num_splits <= MAX_SPLITS else 64
     while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
       cols //= 2
   groups = -(-num_splits // GROUP)
@@ -126,12 +124,13 @@ def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   0.971 / 0.975 of the ring, 8 x 64 x 64K 0.988); at 8 x 128 x 16K (15
   splits, two head groups) it was even (1.002) and stays on the ring
   (NOTES.md)."""
-  if GROUP_NARROW_MIN <= num_splits <= MAX_SPLITS:
-    return head_groups == 1 and batch * (512 // 8) >= GROUP_CTAS
-  if not MAX_SPLITS < num_splits <= GROUP_MAX_SPLITS:
+  if not GROUP_NARROW_MIN <= num_splits <= GROUP_MAX_SPLITS:
     return False
   cols, _ = grouped_tiling(batch=batch, head_groups=head_groups, num_splits=num_splits)
-  return cols <= 16 and batch * head_groups * (512 // cols) >= GROUP_CTAS
+  fills_grid = batch * head_groups * (512 // cols) >= GROUP_CTAS
+  if num_splits <= MAX_SPLITS:  # 8 channels (grouped_tiling)
+    return head_groups == 1 and fills_grid
+  return cols <= 16 and fills_grid
 
 
 def group_box_start(k: int, num_splits: int) -> int:
