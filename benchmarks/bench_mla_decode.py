@@ -153,7 +153,7 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # "grouped" takes the grouped pass wherever a row has more than 8 splits.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
-                  "finish": dict(finish=True)}
+                  "finish": dict(finish=True), "e1": dict(prefetch=1), "e2": dict(prefetch=2)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -206,6 +206,42 @@ def check_correctness(rng, variant="default"):
   print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
   ok = all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
   return check_block_sizes(rng, cfg) and check_grouped(rng, kernel_kw) and ok
+
+
+def check_prefetch(rng):
+  """`_mla_decode(prefetch=1 / 2)` (the next segment's loads started early):
+  bit-identical to the default on parts of several segments, clean and with
+  NaN tails and null block in both modes, under both ring layouts."""
+  ok = True
+  lens_np = [64, 65, 0, 127, 300, 257, 1000, 4097, 5, 2000]
+  lens = jnp.asarray(lens_np, jnp.int32)
+  for heads, sw, qr in ((64, 128, 0), (128, 64, 128)):
+    cache = jax.random.normal(jax.random.key(heads), (200, BS, D), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(heads + 1), (len(lens_np), heads, D), jnp.bfloat16)
+    table = table_for(rng, lens_np, 200, 70)
+    poisoned = cache.at[0].set(jnp.nan)
+    for b, s in enumerate(lens_np):
+      if s % BS:
+        poisoned = poisoned.at[table[b, s // BS], s % BS:].set(jnp.nan)
+    cfg = MLADecodeConfig(num_splits=4, min_chunk_blocks=1, kv_swizzle=sw, q_regs=qr)
+    plan = mla_decode_plan(lens, num_heads=heads, config=cfg, num_sms=6)
+    run = lambda c, select, pf: _mla_decode(q, c, table, lens, plan, sm_scale=D**-0.5, select=select,
+                                            interpret=None, kv_swizzle=sw, q_regs=qr, prefetch=pf)
+    for c, name in ((cache, "clean"), (poisoned, "poisoned")):
+      for select in (True, False):
+        want = [np.asarray(x) for x in run(c, select, 0)]
+        for pf in (1, 2):
+          got = [np.asarray(x) for x in run(c, select, pf)]
+          same = all(np.array_equal(g, w, equal_nan=True) for g, w in zip(got, want))
+          print(f"prefetch {pf}: {heads} heads sw{sw} {name} {'select' if select else 'multiply'}: "
+                f"identical {same}")
+          ok = ok and same
+    ro, _ = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
+    sel = np.asarray(run(poisoned, True, 2)[0], np.float32)
+    err = np.linalg.norm(sel - np.asarray(ro, np.float32)) / np.linalg.norm(np.asarray(ro, np.float32))
+    print(f"prefetch 2, poisoned select vs reference: rel_err {err:.2e}")
+    ok = ok and err < 1e-2
+  return ok
 
 
 def check_grouped(rng, kernel_kw):
@@ -356,6 +392,8 @@ def main():
   if not args.skip_check:  # the dataclass default and every variant the shapes name
     names = ("default", *[v for v in VARIANTS if any(v in s.split(":") for s in shapes)])
     ok = [check_correctness(rng, v) for v in names]
+    if any(v in s.split(":") for v in ("e1", "e2") for s in shapes):
+      names, ok = (*names, "prefetch"), [*ok, check_prefetch(rng)]
     print("CORRECT" if all(ok) else f"WRONG ({dict(zip(names, ok))})")
   out = []
   for spec in shapes:

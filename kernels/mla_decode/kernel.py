@@ -116,6 +116,7 @@ def build_kernel(
     kv_swizzle: int = 64,
     q_regs: int = 0,
     partial_cols: int | None = None,
+    prefetch_next: int = 0,
 ):
   """Builds the kernel call.
 
@@ -169,8 +170,17 @@ def build_kernel(
   64, num_splits, 64, partial_cols]` and lse as `[batch, heads_padded / 64,
   num_splits, 64]` (`split_outputs`), so that what one merge CTA reads is
   one contiguous run of GMEM each.
+
+  `prefetch_next` (0, 1 or 2): how early the producer starts a segment's
+  loads. 0: the query once both consumers finished the previous segment's
+  last tile, then its KV tiles. 1: the segment's first KV tile before that
+  (its stage was freed by the previous segment's next-to-last tile), so it
+  lands beside the last tile and the epilogue. 2: also the latent query as
+  soon as both consumers have scored the previous segment's last tile (only
+  the RoPE query, which shares P's tile, waits for its PVs).
   """
   assert block_size in BLOCK_SIZES
+  assert prefetch_next in (0, 1, 2)
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
@@ -234,7 +244,7 @@ def build_kernel(
       return lo, hi - lo, split, whole
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg,
-               q_bar, kv_bar, free_bar, sync_bar, q_free_bar,
+               q_bar, kv_bar, free_bar, sync_bar, q_free_bar, q_lat_free_bar,
                m0_bar, p0_bar, p1_bar, p0_free, p1_free, *interp_refs):
       # q_lat [2, 64, 256] bf16: the segment's latent query; k_lat [stages,
       # 2, 64, 256] and k_rope [stages, 64, 64] bf16: the KV ring; p_smem
@@ -285,31 +295,39 @@ def build_kernel(
           steps, segs = carry
           lo, n, _, _ = segment(row)
 
+          def load_tile(i):
+            step = steps + i
+            slot = lax.rem(step, NUM_STAGES)
+            with jax.named_scope("stage_wait"):
+              pl.when(step >= NUM_STAGES)(
+                  lambda: plgpu.barrier_wait(free_bar.at[slot])
+              )
+            with jax.named_scope("issue"):
+              issue(row, lo + i, slot)
+
+          def query_wait(bar):
+            with jax.named_scope("query_free_wait"):
+              pl.when(segs > 0)(lambda: plgpu.barrier_wait(bar))
+
           @pl.when(n > 0)
           def _():
+            if prefetch_next:
+              load_tile(0)
             # The query buffers are free once both consumers finished the
             # previous segment's last block (QK reads Q, PV reads P, where
-            # the RoPE query lands).
-            with jax.named_scope("query_free_wait"):
-              pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
+            # the RoPE query lands); with prefetch_next 2 the latent query's
+            # once both have scored it.
+            query_wait(q_lat_free_bar if prefetch_next == 2 else q_free_bar)
             for h in range(2):
               plgpu.copy_gmem_to_smem(
                   q_ref.at[row, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
               )
+            if prefetch_next == 2:
+              query_wait(q_free_bar)
             plgpu.copy_gmem_to_smem(
                 q_ref.at[row, heads, pl.ds(LATENT, ROPE)], q_rope_smem, q_bar
             )
-
-            @pl.loop(0, n)
-            def _(i):
-              step = steps + i
-              slot = lax.rem(step, NUM_STAGES)
-              with jax.named_scope("stage_wait"):
-                pl.when(step >= NUM_STAGES)(
-                    lambda: plgpu.barrier_wait(free_bar.at[slot])
-                )
-              with jax.named_scope("issue"):
-                issue(row, lo + i, slot)
+            pl.loop(1 if prefetch_next else 0, n)(load_tile)
 
           return steps + n, segs + (n > 0).astype(jnp.int32)
 
@@ -320,6 +338,8 @@ def build_kernel(
         # Observe the release of the last query and stages too: every waiter
         # of a barrier must see each of its phases.
         pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
+        if prefetch_next == 2:
+          pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_lat_free_bar))
 
         @pl.loop(jnp.maximum(steps, NUM_STAGES) - NUM_STAGES, steps)
         def _(step):
@@ -352,6 +372,10 @@ def build_kernel(
           tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
           s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own, q_head=q_head)
+          if last and prefetch_next == 2:
+            # The segment's last QK is done: the producer may load the next
+            # segment's latent query.
+            plgpu.barrier_arrive(q_lat_free_bar)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block, and at block size 32 a
@@ -478,6 +502,7 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3 * pieces, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
+        plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
