@@ -30,15 +30,20 @@ from jax.experimental.mosaic.gpu.profiler import measure
 import bench_mla_decode as B
 from jaxkv.kernels.mla_decode import kernel as K
 from jaxkv.kernels.mla_decode import mla_decode_plan
+from jaxkv.kernels.mla_decode.config import default_config
 
 ROLES = {0: "consumer 0", 1: "consumer 1", 2: "producer"}
 
 
 def build(q, cache, plan, select, profile_dir=None):
+  # The kernel the shape's default config runs (its ring layout and query
+  # registers), on the shape's default plan.
+  config = default_config(batch=q.shape[0], num_heads=q.shape[1])
   return jax.jit(K.build_kernel(
       batch=q.shape[0], heads_padded=q.shape[1], num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=cache.shape[1], sm_scale=B.D**-0.5,
       select=select, interpret=None, profile_dir=profile_dir,
+      kv_swizzle=config.kv_swizzle, q_regs=config.q_regs,
   ))
 
 

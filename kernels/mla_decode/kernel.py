@@ -117,6 +117,7 @@ def build_kernel(
     q_regs: int = 0,
     partial_cols: int | None = None,
     prefetch_next: int = 0,
+    p_fence: bool | None = None,
 ):
   """Builds the kernel call.
 
@@ -178,6 +179,15 @@ def build_kernel(
   lands beside the last tile and the epilogue. 2: also the latent query as
   soon as both consumers have scored the previous segment's last tile (only
   the RoPE query, which shares P's tile, waits for its PVs).
+
+  `p_fence`: whether each consumer fences its P half (and maximum) toward the
+  async proxy before handing it on. The other warpgroup's wgmma reads P from
+  SMEM under the 64-byte swizzle and in the interpreter, which needs the
+  fence; compiled under the 128-byte swizzle it loads P into registers with
+  plain loads, which the seesaw's barriers order (every thread arrives with
+  release semantics), so there only a segment's last tile fences (the next
+  segment's RoPE query lands in P's tile by TMA). None: that rule; True:
+  every tile fences.
   """
   assert block_size in BLOCK_SIZES
   assert prefetch_next in (0, 1, 2)
@@ -187,6 +197,9 @@ def build_kernel(
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
   check_choice("q_regs", q_regs, Q_REGS)
   whole_pv = kv_swizzle == 128
+  # P travels to a wgmma's SMEM operand (the async proxy) unless compiled
+  # under the 128-byte swizzle (`p_fence` above).
+  fence_all = (not whole_pv or interpret is not None) if p_fence is None else p_fence
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)
   piece_slots = min(block_size, TILE)
@@ -409,7 +422,7 @@ def build_kernel(
           acc, m_new, l_i = seesaw_tile(
               wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
               clean=functools.partial(clean_values, slot, n_keep) if clean else None,
-              whole_pv=whole_pv,
+              whole_pv=whole_pv, fence=fence_all or last,
           )
           plgpu.barrier_arrive(free_bar.at[slot])
           if last:
@@ -693,7 +706,8 @@ def seesaw_pv_whole(acc, *, k_lat, slot, wg, p_smem, p_own, compiled: bool):
   return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
 
 
-def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_pv=False):
+def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_pv=False,
+                fence=True):
   """One 64-slot tile's softmax and PV, FlashMLA's "seesaw" over its two halves.
 
   Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)`: `s` is `[64, 32]`
@@ -729,6 +743,11 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       itself), instead of its own half first. The hand-offs are the same;
       each warpgroup's own half is in `p_smem` either way (the
       interpreter's whole-P PV reads it there).
+    fence: each P half (and maximum) is fenced toward the async proxy before
+      it is handed on (`plgpu.commit_smem`): needed where the other's wgmma
+      reads it from SMEM, or where TMA writes its tile next. Without it the
+      hand-off's barrier alone orders it, for plain loads (every thread
+      arrives with release semantics).
 
   Returns:
     `(acc, m1, l)`.
@@ -761,7 +780,8 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
     plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
     p_smem[:, own] = p_scaled
-    plgpu.commit_smem()
+    if fence:
+      plgpu.commit_smem()
     plgpu.barrier_arrive(p0_bar)
     l_i = l_i * scale1
     if whole_pv:
@@ -786,7 +806,8 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
     p_smem[:, own] = p16
     xchg[1] = m1
-    plgpu.commit_smem()
+    if fence:
+      plgpu.commit_smem()
     plgpu.barrier_arrive(p1_bar)
     acc = acc * bcast(scale, acc.shape)
     if clean is not None:
