@@ -154,7 +154,7 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "e1": dict(prefetch=1), "e2": dict(prefetch=2),
-                  "fence": dict(p_fence=True)}
+                  "fence": dict(p_fence=True), "seesaw": dict(exchange="seesaw")}
 
 
 def errors(out, lse, ref_out, ref_lse):

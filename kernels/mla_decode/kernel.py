@@ -118,6 +118,7 @@ def build_kernel(
     partial_cols: int | None = None,
     prefetch_next: int = 0,
     p_fence: bool | None = None,
+    exchange: str = "symmetric",
 ):
   """Builds the kernel call.
 
@@ -188,15 +189,23 @@ def build_kernel(
   release semantics), so there only a segment's last tile fences (the next
   segment's RoPE query lands in P's tile by TMA). None: that rule; True:
   every tile fences.
+
+  `exchange` (under the 128-byte swizzle, where each consumer's PV takes
+  the whole P): "symmetric" (`symmetric_tile`: both consumers hand their
+  maxima on at once, then their P halves at once) or "seesaw" (`seesaw_tile`:
+  warpgroup 0's maximum, then warpgroup 1's P, then warpgroup 0's rescaled
+  P, one after another).
   """
   assert block_size in BLOCK_SIZES
   assert prefetch_next in (0, 1, 2)
+  assert exchange in ("symmetric", "seesaw")
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
   check_choice("q_regs", q_regs, Q_REGS)
   whole_pv = kv_swizzle == 128
+  symmetric = whole_pv and exchange == "symmetric"
   # P travels to a wgmma's SMEM operand (the async proxy) unless compiled
   # under the 128-byte swizzle (`p_fence` above).
   fence_all = (not whole_pv or interpret is not None) if p_fence is None else p_fence
@@ -409,7 +418,14 @@ def build_kernel(
           else:
             s = s * scale_log2
             clean = False
-          if whole_pv:
+          cleaner = functools.partial(clean_values, slot, n_keep) if clean else None
+          if symmetric:
+            acc, m_new, l_i = symmetric_tile(
+                wg, s, (acc, m_i, l_i), k_lat=k_lat, slot=slot, xchg=xchg, p_smem=p_smem,
+                bars=(m0_bar, p0_free, p0_bar, p1_bar), clean=cleaner,
+                compiled=interpret is None, fence=fence_all or last,
+            )
+          elif whole_pv:
             pv = functools.partial(
                 seesaw_pv_whole, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
                 compiled=interpret is None,
@@ -419,11 +435,11 @@ def build_kernel(
                 seesaw_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
                 p_scratch=None if interpret is None else interp_refs[1],
             )
-          acc, m_new, l_i = seesaw_tile(
-              wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
-              clean=functools.partial(clean_values, slot, n_keep) if clean else None,
-              whole_pv=whole_pv, fence=fence_all or last,
-          )
+          if not symmetric:
+            acc, m_new, l_i = seesaw_tile(
+                wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
+                clean=cleaner, whole_pv=whole_pv, fence=fence_all or last,
+            )
           plgpu.barrier_arrive(free_bar.at[slot])
           if last:
             # The segment's last QK and PV are done: the producer may load
@@ -498,9 +514,11 @@ def build_kernel(
 
           pl.when(~whole)(partial)
 
-        seesaw_begin(wg, bars)
+        if not symmetric:  # (its P halves need no "read" barriers)
+          seesaw_begin(wg, bars)
         lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
-        seesaw_end(wg, bars)
+        if not symmetric:
+          seesaw_end(wg, bars)
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -823,6 +841,65 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
   return acc, m1, l_i
+
+
+def symmetric_tile(wg: int, s, carry, *, k_lat, slot, xchg, p_smem, bars, clean, compiled: bool,
+                   fence: bool):
+  """One 64-slot tile's softmax and PV, both warpgroups at once (under the
+  128-byte swizzle, where each one's PV takes the whole P).
+
+  Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)` (`s`, `[64, 32]`
+  float32 in log2 units, masked -inf). Each hands on its rows' maximum, takes
+  the other's, and so both reach the tile's maximum m at once; each then
+  writes its P half at m for the other and multiplies the whole P into its
+  256 channels once the other's half is out (`seesaw_pv_whole`). Two
+  hand-offs on the path, side by side, where `seesaw_tile` has three one
+  after another.
+
+  Args:
+    carry: `(acc, m, l)` as in `seesaw_tile`.
+    xchg: `[2, 64]` float32 SMEM: row k holds warpgroup k's maximum.
+    p_smem: `[64, 64]` bf16 SMEM: each warpgroup's P half, for the other.
+    bars: four one-arrival barriers: warpgroup 0's / 1's maximum is out,
+      warpgroup 0's / 1's P half is out. No "read" barriers: a warpgroup
+      rewrites its maximum and P half only after the other's next maximum
+      is out, which the other hands on after its PV, the last read of both.
+    clean: None, or a callable that rewrites this warpgroup's value rows:
+      run once the other's maximum is out (its QK, the other reader of those
+      rows, is done), after our P is handed on, before our PV.
+    compiled: `seesaw_pv_whole`'s.
+    fence: as in `seesaw_tile`.
+
+  Returns:
+    `(acc, m, l)`.
+  """
+  mx0, mx1, pb0, pb1 = bars
+  mx_own, mx_other = (mx0, mx1) if wg == 0 else (mx1, mx0)
+  p_own_bar, p_other_bar = (pb0, pb1) if wg == 0 else (pb1, pb0)
+  acc, m_i, l_i = carry
+  own = pl.ds(wg * SLOT_HALF, SLOT_HALF)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+  m_own = jnp.maximum(m_i, s.max(axis=1))
+  xchg[wg] = m_own
+  plgpu.barrier_arrive(mx_own)  # our QK is done, our maximum is out
+  plgpu.barrier_wait(mx_other)
+  m_new = jnp.maximum(m_own, plgpu.load(xchg.at[1 - wg], layout=row_layout, optimized=False))
+  p = jnp.exp2(s - bcast(m_new, s.shape))
+  scale = jnp.exp2(m_i - m_new)
+  l_i = l_i * scale + p.sum(axis=1)
+  p16 = p.astype(jnp.bfloat16)
+  p_smem[:, own] = p16
+  if fence:
+    plgpu.commit_smem()
+  plgpu.barrier_arrive(p_own_bar)
+  if clean is not None:
+    clean()
+  acc = acc * bcast(scale, acc.shape)
+  plgpu.barrier_wait(p_other_bar)
+  acc = seesaw_pv_whole(acc, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem, p_own=p16,
+                        compiled=compiled)
+  return acc, m_new, l_i
 
 
 def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
