@@ -8,7 +8,10 @@ with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`
 each the shape's default config with that field replaced, on the default's
 plan; the check runs every variant the shapes name; ":ungrouped" merges rows
 of many splits with the per-split ring instead of the grouped pass,
-":grouped" takes the grouped pass wherever a row has more than 8 splits;
+":grouped" takes the grouped pass wherever a row has more than 8 splits
+(":g8" / ":g16" at that many channels per merge CTA), ":finish" has the
+decode kernel finish whole rows, ":fence" fences every P hand-off (the
+on-device check then also compares it bitwise with the default);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -153,8 +156,7 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # "grouped" takes the grouped pass wherever a row has more than 8 splits.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
-                  "finish": dict(finish=True), "e1": dict(prefetch=1), "e2": dict(prefetch=2),
-                  "fence": dict(p_fence=True), "seesaw": dict(exchange="seesaw")}
+                  "finish": dict(finish=True), "fence": dict(p_fence=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -210,14 +212,14 @@ def check_correctness(rng, variant="default"):
 
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
-SAME_RESULT = {"e1": dict(prefetch=1), "e2": dict(prefetch=2), "fence": dict(p_fence=True)}
+SAME_RESULT = {"fence": dict(p_fence=True)}
 
 
 def check_same_result(rng):
-  """The `SAME_RESULT` variants (the next segment's loads started early; P
-  fenced on every hand-off): bit-identical to the default on parts of
-  several segments, clean and with NaN tails and null block in both modes,
-  under both ring layouts; the default against the reference."""
+  """The `SAME_RESULT` variants (P fenced on every hand-off): bit-identical
+  to the default on parts of several segments, clean and with NaN tails and
+  null block in both modes, under both ring layouts; the default against the
+  reference."""
   ok = True
   lens_np = [64, 65, 0, 127, 300, 257, 1000, 4097, 5, 2000]
   lens = jnp.asarray(lens_np, jnp.int32)

@@ -9,9 +9,12 @@ role the SM clock cycles each CTA spent in each named region (`kernel.REGIONS`),
 the spread of the CTAs' spans, and a least-squares fit of a CTA's span on its tiles
 and row segments (what one more segment costs, in tiles, is what
 `MLADecodeConfig.split_overhead_tiles` should be). The profiled kernel runs ~30%
-slower than the plain one (both are timed): read shares, not absolute times. A
-warpgroup records at most `PROFILE_RANGES` ranges, two per tile for the consumers,
-so a CTA of more than ~80 tiles is cut short: profile a shorter context. The trace
+slower than the plain one (both are timed): read shares, not absolute times. Inside
+a tile the consumers record its QK ("qk"), their waits for the other's maximum or P
+half ("handoff_wait") and their PVs ("pv"); what a tile spends beside those is its
+softmax and hand-off stores. A warpgroup records at most `PROFILE_RANGES` ranges,
+five to seven per tile for the consumers, so a CTA of more than ~22 tiles is cut
+short: profile a shorter context (batch 128 at 1K: ~16 tiles per CTA). The trace
 (Chrome / Perfetto JSON) stays under --keep.
 """
 

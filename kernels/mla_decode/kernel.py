@@ -89,6 +89,7 @@ PROFILE_RANGES = 168
 # Named regions of the in-kernel profile (see `build_kernel(profile_dir=)`).
 REGIONS = (
     "kv_wait", "tile", "last_tile", "query_wait", "epilogue",  # consumers
+    "qk", "handoff_wait", "pv",  # consumers, inside "tile" / "last_tile"
     "row_sums", "store",  # consumers, inside "epilogue"
     "stage_wait", "issue", "query_free_wait",  # producer
 )
@@ -116,9 +117,7 @@ def build_kernel(
     kv_swizzle: int = 64,
     q_regs: int = 0,
     partial_cols: int | None = None,
-    prefetch_next: int = 0,
     p_fence: bool | None = None,
-    exchange: str = "symmetric",
 ):
   """Builds the kernel call.
 
@@ -173,14 +172,6 @@ def build_kernel(
   num_splits, 64]` (`split_outputs`), so that what one merge CTA reads is
   one contiguous run of GMEM each.
 
-  `prefetch_next` (0, 1 or 2): how early the producer starts a segment's
-  loads. 0: the query once both consumers finished the previous segment's
-  last tile, then its KV tiles. 1: the segment's first KV tile before that
-  (its stage was freed by the previous segment's next-to-last tile), so it
-  lands beside the last tile and the epilogue. 2: also the latent query as
-  soon as both consumers have scored the previous segment's last tile (only
-  the RoPE query, which shares P's tile, waits for its PVs).
-
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
   SMEM under the 64-byte swizzle and in the interpreter, which needs the
@@ -189,23 +180,14 @@ def build_kernel(
   release semantics), so there only a segment's last tile fences (the next
   segment's RoPE query lands in P's tile by TMA). None: that rule; True:
   every tile fences.
-
-  `exchange` (under the 128-byte swizzle, where each consumer's PV takes
-  the whole P): "symmetric" (`symmetric_tile`: both consumers hand their
-  maxima on at once, then their P halves at once) or "seesaw" (`seesaw_tile`:
-  warpgroup 0's maximum, then warpgroup 1's P, then warpgroup 0's rescaled
-  P, one after another).
   """
   assert block_size in BLOCK_SIZES
-  assert prefetch_next in (0, 1, 2)
-  assert exchange in ("symmetric", "seesaw")
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
   check_choice("q_regs", q_regs, Q_REGS)
   whole_pv = kv_swizzle == 128
-  symmetric = whole_pv and exchange == "symmetric"
   # P travels to a wgmma's SMEM operand (the async proxy) unless compiled
   # under the 128-byte swizzle (`p_fence` above).
   fence_all = (not whole_pv or interpret is not None) if p_fence is None else p_fence
@@ -266,7 +248,7 @@ def build_kernel(
       return lo, hi - lo, split, whole
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg,
-               q_bar, kv_bar, free_bar, sync_bar, q_free_bar, q_lat_free_bar,
+               q_bar, kv_bar, free_bar, sync_bar, q_free_bar,
                m0_bar, p0_bar, p1_bar, p0_free, p1_free, *interp_refs):
       # q_lat [2, 64, 256] bf16: the segment's latent query; k_lat [stages,
       # 2, 64, 256] and k_rope [stages, 64, 64] bf16: the KV ring; p_smem
@@ -317,39 +299,31 @@ def build_kernel(
           steps, segs = carry
           lo, n, _, _ = segment(row)
 
-          def load_tile(i):
-            step = steps + i
-            slot = lax.rem(step, NUM_STAGES)
-            with jax.named_scope("stage_wait"):
-              pl.when(step >= NUM_STAGES)(
-                  lambda: plgpu.barrier_wait(free_bar.at[slot])
-              )
-            with jax.named_scope("issue"):
-              issue(row, lo + i, slot)
-
-          def query_wait(bar):
-            with jax.named_scope("query_free_wait"):
-              pl.when(segs > 0)(lambda: plgpu.barrier_wait(bar))
-
           @pl.when(n > 0)
           def _():
-            if prefetch_next:
-              load_tile(0)
             # The query buffers are free once both consumers finished the
             # previous segment's last block (QK reads Q, PV reads P, where
-            # the RoPE query lands); with prefetch_next 2 the latent query's
-            # once both have scored it.
-            query_wait(q_lat_free_bar if prefetch_next == 2 else q_free_bar)
+            # the RoPE query lands).
+            with jax.named_scope("query_free_wait"):
+              pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
             for h in range(2):
               plgpu.copy_gmem_to_smem(
                   q_ref.at[row, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
               )
-            if prefetch_next == 2:
-              query_wait(q_free_bar)
             plgpu.copy_gmem_to_smem(
                 q_ref.at[row, heads, pl.ds(LATENT, ROPE)], q_rope_smem, q_bar
             )
-            pl.loop(1 if prefetch_next else 0, n)(load_tile)
+
+            @pl.loop(0, n)
+            def _(i):
+              step = steps + i
+              slot = lax.rem(step, NUM_STAGES)
+              with jax.named_scope("stage_wait"):
+                pl.when(step >= NUM_STAGES)(
+                    lambda: plgpu.barrier_wait(free_bar.at[slot])
+                )
+              with jax.named_scope("issue"):
+                issue(row, lo + i, slot)
 
           return steps + n, segs + (n > 0).astype(jnp.int32)
 
@@ -360,8 +334,6 @@ def build_kernel(
         # Observe the release of the last query and stages too: every waiter
         # of a barrier must see each of its phases.
         pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
-        if prefetch_next == 2:
-          pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_lat_free_bar))
 
         @pl.loop(jnp.maximum(steps, NUM_STAGES) - NUM_STAGES, steps)
         def _(step):
@@ -393,11 +365,8 @@ def build_kernel(
           """One 64-slot tile: our half's scores (masked in a segment's last
           tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
-          s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own, q_head=q_head)
-          if last and prefetch_next == 2:
-            # The segment's last QK is done: the producer may load the next
-            # segment's latent query.
-            plgpu.barrier_arrive(q_lat_free_bar)
+          with jax.named_scope("qk"):
+            s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own, q_head=q_head)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
             # unwritten tail of the row's last block, and at block size 32 a
@@ -418,14 +387,7 @@ def build_kernel(
           else:
             s = s * scale_log2
             clean = False
-          cleaner = functools.partial(clean_values, slot, n_keep) if clean else None
-          if symmetric:
-            acc, m_new, l_i = symmetric_tile(
-                wg, s, (acc, m_i, l_i), k_lat=k_lat, slot=slot, xchg=xchg, p_smem=p_smem,
-                bars=(m0_bar, p0_free, p0_bar, p1_bar), clean=cleaner,
-                compiled=interpret is None, fence=fence_all or last,
-            )
-          elif whole_pv:
+          if whole_pv:
             pv = functools.partial(
                 seesaw_pv_whole, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
                 compiled=interpret is None,
@@ -435,11 +397,11 @@ def build_kernel(
                 seesaw_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
                 p_scratch=None if interpret is None else interp_refs[1],
             )
-          if not symmetric:
-            acc, m_new, l_i = seesaw_tile(
-                wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
-                clean=cleaner, whole_pv=whole_pv, fence=fence_all or last,
-            )
+          acc, m_new, l_i = seesaw_tile(
+              wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
+              clean=functools.partial(clean_values, slot, n_keep) if clean else None,
+              whole_pv=whole_pv, fence=fence_all or last,
+          )
           plgpu.barrier_arrive(free_bar.at[slot])
           if last:
             # The segment's last QK and PV are done: the producer may load
@@ -514,11 +476,9 @@ def build_kernel(
 
           pl.when(~whole)(partial)
 
-        if not symmetric:  # (its P halves need no "read" barriers)
-          seesaw_begin(wg, bars)
+        seesaw_begin(wg, bars)
         lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
-        if not symmetric:
-          seesaw_end(wg, bars)
+        seesaw_end(wg, bars)
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -533,7 +493,6 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=3 * pieces, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
-        plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
@@ -788,15 +747,18 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       acc = acc * bcast(scale0, acc.shape)
       p16 = p.astype(jnp.bfloat16)
       if clean is None:
-        acc = pv(acc, own, p=p16)  # beside warpgroup 1's softmax
-    plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs are done
+        with jax.named_scope("pv"):
+          acc = pv(acc, own, p=p16)  # beside warpgroup 1's softmax
+    with jax.named_scope("handoff_wait"):
+      plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs are done
     m1 = rows(1)
     scale1 = jnp.exp2(m0 - m1)
     if clean is not None:
       clean()
     # Our P at warpgroup 1's scale, for its channels.
     p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
-    plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
+    with jax.named_scope("handoff_wait"):
+      plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
     p_smem[:, own] = p_scaled
     if fence:
       plgpu.commit_smem()
@@ -805,23 +767,28 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     if whole_pv:
       # Both halves at m1: our accumulator is rescaled once, from m.
       acc = acc * bcast(jnp.exp2(m_i - m1), acc.shape)
-      acc = pv(acc, p_own=p_scaled)
+      with jax.named_scope("pv"):
+        acc = pv(acc, p_own=p_scaled)
     else:
       if clean is not None:
         # After the hand-off: warpgroup 1 does not wait for this PV.
-        acc = pv(acc, own, p=p16)
+        with jax.named_scope("pv"):
+          acc = pv(acc, own, p=p16)
       acc = acc * bcast(scale1, acc.shape)
-      acc = pv(acc, other, p_cols=other)
+      with jax.named_scope("pv"):
+        acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p1_free)  # we are done with warpgroup 1's P
   else:
-    plgpu.barrier_wait(m0_bar)
+    with jax.named_scope("handoff_wait"):
+      plgpu.barrier_wait(m0_bar)
     m0 = rows(0)
     m1 = jnp.maximum(m0, s.max(axis=1))
     scale = jnp.exp2(m_i - m0) * jnp.exp2(m0 - m1)
     p = jnp.exp2(s - bcast(m1, s.shape))
     l_i = l_i * scale + p.sum(axis=1)
     p16 = p.astype(jnp.bfloat16)
-    plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
+    with jax.named_scope("handoff_wait"):
+      plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
     p_smem[:, own] = p16
     xchg[1] = m1
     if fence:
@@ -833,73 +800,19 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       # it handed on m0: our rows can be cleaned without waiting for its P.
       clean()
     if whole_pv:
-      plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
-      acc = pv(acc, p_own=p16)
+      with jax.named_scope("handoff_wait"):
+        plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
+      with jax.named_scope("pv"):
+        acc = pv(acc, p_own=p16)
     else:
-      acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale (and clean)
-      plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
-      acc = pv(acc, other, p_cols=other)
+      with jax.named_scope("pv"):
+        acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale (and clean)
+      with jax.named_scope("handoff_wait"):
+        plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
+      with jax.named_scope("pv"):
+        acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
   return acc, m1, l_i
-
-
-def symmetric_tile(wg: int, s, carry, *, k_lat, slot, xchg, p_smem, bars, clean, compiled: bool,
-                   fence: bool):
-  """One 64-slot tile's softmax and PV, both warpgroups at once (under the
-  128-byte swizzle, where each one's PV takes the whole P).
-
-  Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)` (`s`, `[64, 32]`
-  float32 in log2 units, masked -inf). Each hands on its rows' maximum, takes
-  the other's, and so both reach the tile's maximum m at once; each then
-  writes its P half at m for the other and multiplies the whole P into its
-  256 channels once the other's half is out (`seesaw_pv_whole`). Two
-  hand-offs on the path, side by side, where `seesaw_tile` has three one
-  after another.
-
-  Args:
-    carry: `(acc, m, l)` as in `seesaw_tile`.
-    xchg: `[2, 64]` float32 SMEM: row k holds warpgroup k's maximum.
-    p_smem: `[64, 64]` bf16 SMEM: each warpgroup's P half, for the other.
-    bars: four one-arrival barriers: warpgroup 0's / 1's maximum is out,
-      warpgroup 0's / 1's P half is out. No "read" barriers: a warpgroup
-      rewrites its maximum and P half only after the other's next maximum
-      is out, which the other hands on after its PV, the last read of both.
-    clean: None, or a callable that rewrites this warpgroup's value rows:
-      run once the other's maximum is out (its QK, the other reader of those
-      rows, is done), after our P is handed on, before our PV.
-    compiled: `seesaw_pv_whole`'s.
-    fence: as in `seesaw_tile`.
-
-  Returns:
-    `(acc, m, l)`.
-  """
-  mx0, mx1, pb0, pb1 = bars
-  mx_own, mx_other = (mx0, mx1) if wg == 0 else (mx1, mx0)
-  p_own_bar, p_other_bar = (pb0, pb1) if wg == 0 else (pb1, pb0)
-  acc, m_i, l_i = carry
-  own = pl.ds(wg * SLOT_HALF, SLOT_HALF)
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-  m_own = jnp.maximum(m_i, s.max(axis=1))
-  xchg[wg] = m_own
-  plgpu.barrier_arrive(mx_own)  # our QK is done, our maximum is out
-  plgpu.barrier_wait(mx_other)
-  m_new = jnp.maximum(m_own, plgpu.load(xchg.at[1 - wg], layout=row_layout, optimized=False))
-  p = jnp.exp2(s - bcast(m_new, s.shape))
-  scale = jnp.exp2(m_i - m_new)
-  l_i = l_i * scale + p.sum(axis=1)
-  p16 = p.astype(jnp.bfloat16)
-  p_smem[:, own] = p16
-  if fence:
-    plgpu.commit_smem()
-  plgpu.barrier_arrive(p_own_bar)
-  if clean is not None:
-    clean()
-  acc = acc * bcast(scale, acc.shape)
-  plgpu.barrier_wait(p_other_bar)
-  acc = seesaw_pv_whole(acc, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem, p_own=p16,
-                        compiled=compiled)
-  return acc, m_new, l_i
 
 
 def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):

@@ -138,10 +138,9 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "prefetch", "p_fence", "exchange"))
+                              "group_cols", "finish", "p_fence"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
-                q_regs, grouped=None, group_cols=None, finish=None, prefetch=0, p_fence=None,
-                exchange="symmetric"):
+                q_regs, grouped=None, group_cols=None, finish=None, p_fence=None):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -176,7 +175,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
-      q_regs=q_regs, partial_cols=tiling.get("cols"), prefetch_next=prefetch, p_fence=p_fence, exchange=exchange,
+      q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)
