@@ -426,6 +426,44 @@ def test_grouped_merge_lowers_with_bulk_copies():
   assert "cp.async.bulk.tensor" not in text
 
 
+def test_p_hand_offs_fence_only_where_the_async_proxy_reads(monkeypatch, capsys):
+  """The consumers fence P toward the async proxy (`commit_smem`) before handing
+  it on only where the other's wgmma reads it from SMEM (the 64-byte ring) or
+  TMA writes its tile next (a segment's last tile): under the 128-byte ring the
+  steady-state tile's two hand-offs go unfenced, since the other warpgroup
+  loads P with plain loads. Counted in the Mosaic GPU module the compiled
+  kernel lowers to (what the GPU runs; the interpreter fences every tile, and
+  the H200 check compares `p_fence=True` bitwise with the default)."""
+  import functools
+
+  from jaxkv.kernels.mla_decode import kernel
+
+  monkeypatch.setattr(kernel.plgpu, "kernel", functools.partial(plgpu.kernel, debug=True))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  batch, hp, parts, max_blocks = 2, 64, 4, 8
+  args = (
+      jax.ShapeDtypeStruct((batch, hp, 576), jnp.bfloat16),
+      jax.ShapeDtypeStruct((16, 64, 576), jnp.bfloat16),
+      i32(batch, max_blocks), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1),
+      i32(batch),
+  )
+
+  def fences(kv_swizzle, p_fence):
+    decode = kernel.build_kernel(
+        batch=batch, heads_padded=hp, num_parts=parts, num_splits=3, block_size=64,
+        sm_scale=SCALE, select=True, interpret=None, kv_swizzle=kv_swizzle, p_fence=p_fence,
+    )
+    capsys.readouterr()
+    jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",))
+    return capsys.readouterr().out.count("nvvm.fence.proxy")
+
+  # One hand-off per consumer and tile body (the loop's and the peeled last
+  # tile's): two fewer fences under the 128-byte ring, none fewer under 64.
+  every = fences(128, True)
+  assert every >= 4 and fences(128, None) == every - 2
+  assert fences(64, None) == fences(64, True)
+
+
 @pytest.mark.parametrize("op", ["mla_decode", "sparse_mla_decode"])
 def test_register_split_fits_the_launch(op):
   """`setmaxnreg` can only move registers inside the launch's allocation (168
