@@ -71,6 +71,13 @@ GROUP_MAX_SPLITS = 128
 GROUP_NARROW_MIN = 17
 
 
+def can_group(num_splits: int) -> bool:
+  """Whether the grouped merge (`build_merge(group=True)`) can take rows of
+  `num_splits` splits at all: more than one copy's `GROUP`, at most
+  `GROUP_MAX_SPLITS`. Where it should is `use_grouped`."""
+  return GROUP < num_splits <= GROUP_MAX_SPLITS
+
+
 def merge_tiling(num_splits: int) -> tuple[int, int]:
   """(value channels per CTA, splits in flight per CTA) for rows of up to
   `num_splits` splits. Measured on the H200 (end to end, same run): at 8 x 64
@@ -236,8 +243,7 @@ def build_merge(
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
-  assert not group or (chunk is None and edge_chunk is None
-                       and GROUP < num_splits <= GROUP_MAX_SPLITS)
+  assert not group or (chunk is None and edge_chunk is None and can_group(num_splits))
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, bar):

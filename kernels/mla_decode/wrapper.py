@@ -163,7 +163,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   if grouped is None:
     group = _merge.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   else:
-    group = grouped and _merge.GROUP < plan.num_splits <= _merge.GROUP_MAX_SPLITS
+    group = grouped and _merge.can_group(plan.num_splits)
   # One tiling for both: the decode kernel stores its partials in the grouped
   # merge CTAs' layout, `partial_cols` channels each.
   tiling = {}
