@@ -2,10 +2,12 @@
 
 Usage: python benchmarks/probe_multicast.py [--lower-only] [--tiles N ...]
                                             [--layouts sw64 sw128 plain]
+                                            [--rings S[+A] ...] [--variants ...]
 
 132 CTAs stream 64-slot tiles of random cache blocks (two latent halves and
 the RoPE part, three TMA copies per tile) into a ring of two or three stages,
-with no compute, three ways over the same blocks:
+with no compute (`--rings`: S stages, "S+A" also prefetching into L2 the
+tile A steps past each copy), three ways over the same blocks:
 
 - `once`: one CTA per part, 132 parts (each tile read once; the gather ceiling).
 - `twice`: 66 parts, two CTAs each reading the part's tiles (the grid's last
@@ -50,7 +52,7 @@ LAYOUTS = {
 }
 
 
-def build(variant: str, parts: int, n: int, stages: int, layout: str = "sw64"):
+def build(variant: str, parts: int, n: int, stages: int, layout: str = "sw64", ahead: int = 0):
   pair = variant != "once"
   mc = variant == "multicast"
   bf16 = LAYOUTS[layout]
@@ -66,8 +68,15 @@ def build(variant: str, parts: int, n: int, stages: int, layout: str = "sw64"):
         plgpu.copy_gmem_to_smem(cache_ref.at[blk, :, pl.ds(HALF * h, HALF)], lat.at[slot, h], bar.at[slot], **coll)
       plgpu.copy_gmem_to_smem(cache_ref.at[blk, :, pl.ds(2 * HALF, ROPE)], rope.at[slot], bar.at[slot], **coll)
 
+    def prefetch(step):
+      blk = table_ref[p, step]
+      for c0, width in ((0, HALF), (HALF, HALF), (2 * HALF, ROPE)):
+        plgpu.async_prefetch(cache_ref.at[blk, :, pl.ds(c0, width)])
+
     for i in range(stages):
       issue(i, i)
+    for i in range(stages, stages + ahead):
+      pl.when(i < n)(lambda i=i: prefetch(i))
 
     @pl.loop(0, n)
     def _(step):
@@ -81,6 +90,8 @@ def build(variant: str, parts: int, n: int, stages: int, layout: str = "sw64"):
         if mc:
           plgpu.barrier_wait(free[0].at[slot])
         issue(step + stages, slot)
+        if ahead:
+          pl.when(step + stages + ahead < n)(lambda: prefetch(step + stages + ahead))
 
     if mc:  # no peer may arrive here once this CTA has exited
       for i in range(stages):
@@ -106,11 +117,22 @@ def build(variant: str, parts: int, n: int, stages: int, layout: str = "sw64"):
       scratch_types=scratch, kernel_name=f"probe_{variant}", **kw)
 
 
+def parse_ring(spec: str):
+  """"S" or "S+A": S stages, each copy followed by an L2 prefetch of the tile
+  A steps past it (0 by default)."""
+  stages, _, ahead = spec.partition("+")
+  return int(stages), int(ahead or 0)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--lower-only", action="store_true")
   ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64])
   ap.add_argument("--layouts", nargs="+", default=["sw64"], choices=sorted(LAYOUTS))
+  ap.add_argument("--rings", nargs="+", default=["2", "3"],
+                  help='stages per ring, "S" or "S+A" (A: tiles prefetched into L2 ahead)')
+  ap.add_argument("--variants", nargs="+", default=["once", "twice", "multicast"],
+                  choices=["once", "twice", "multicast"])
   args = ap.parse_args()
   rows = []
   for per in args.tiles:  # tiles per CTA in `once`
@@ -119,15 +141,16 @@ def main():
     rng = np.random.default_rng(per)
     ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
     cache = jax.random.normal(jax.random.key(per), (num_blocks, BS, D), jnp.bfloat16)
-    for variant in ("once", "twice", "multicast"):
+    for variant in args.variants:
       parts = 132 if variant == "once" else 66
       n = total // parts
       table = jnp.asarray(ids.reshape(parts, n))
-      for stages, layout in [(st, lay) for lay in args.layouts for st in (2, 3)]:
-        f = jax.jit(build(variant, parts, n, stages, layout))
+      for ring, layout in [(r, lay) for lay in args.layouts for r in args.rings]:
+        stages, ahead = parse_ring(ring)
+        f = jax.jit(build(variant, parts, n, stages, layout, ahead))
         if args.lower_only:
           f.trace(cache, table).lower(lowering_platforms=("cuda",))
-          print("lowered", variant, layout, stages)
+          print("lowered", variant, layout, ring)
           continue
         out = f(cache, table)
         # Stage 0 holds the last tile of step % stages == 0, in every CTA.
@@ -136,11 +159,11 @@ def main():
         _, t = measure(f, aggregate=False, iterations=5)(cache, table)
         ms = float(np.median([sum(x for _, x in it) for it in t]))
         delivered = total * BS * D * 2 * (1 if variant == "once" else 2)
-        rows.append((per, f"{variant}/{layout}", stages, ms * 1e3, delivered / (ms * 1e-3) / 1e12, ok))
+        rows.append((per, f"{variant}/{layout}", ring, ms * 1e3, delivered / (ms * 1e-3) / 1e12, ok))
   if rows:
-    print(f"{'tiles':>5} {'variant':>16} {'stages':>6} {'us':>8} {'TB/s delivered':>15} ok")
+    print(f"{'tiles':>5} {'variant':>16} {'ring':>6} {'us':>8} {'TB/s delivered':>15} ok")
     for r in rows:
-      print(f"{r[0]:5d} {r[1]:>16} {r[2]:6d} {r[3]:8.1f} {r[4]:15.2f} {r[5]}")
+      print(f"{r[0]:5d} {r[1]:>16} {r[2]:>6} {r[3]:8.1f} {r[4]:15.2f} {r[5]}")
 
 
 if __name__ == "__main__":

@@ -76,15 +76,25 @@ def report(rr):
   if full:
     print(f"warning: {full} warpgroup traces hit {K.PROFILE_RANGES} ranges and were cut short")
   # Within a CTA the trace's timestamps count thousands of SM clock cycles.
-  span, tiles, segs = [], [], []
+  span, tiles, segs, start = [], [], [], []
   for c in ctas:
     evs = [x for w in range(K.NUM_THREADS) for x in rr.get((c, w), [])]
-    span.append(max(x[2] for x in evs) - min(x[1] for x in evs))
+    start.append(min(x[1] for x in evs))
+    span.append(max(x[2] for x in evs) - start[-1])
     tiles.append(sum(1 for x in rr.get((c, 0), []) if x[0] == "kv_wait"))
     segs.append(sum(1 for x in rr.get((c, 0), []) if x[0] == "epilogue"))
-  span, tiles, segs = map(np.asarray, (span, tiles, segs))
-  print(f"{n} CTAs; span (kcycles) min/median/p90/max "
-        f"{' / '.join(f'{v:.1f}' for v in np.percentile(span, [0, 50, 90, 100]))}")
+  span, tiles, segs, start = map(np.asarray, (span, tiles, segs, start))
+  # Each warpgroup's first event is stamped with the GPU's global timer (ns,
+  # common to all CTAs; the trace's "ts" is in µs), its later ones with SM
+  # clock cycles since that event: starts compare across CTAs, spans count
+  # cycles.
+  start = (start - start.min()) * 1e3
+  pct = lambda x: " / ".join(f"{v:.1f}" for v in np.percentile(x, [0, 50, 90, 100]))
+  print(f"{n} CTAs; span (kcycles) min/median/p90/max {pct(span)}; "
+        f"start (ns after the first) {pct(start)}")
+  for c in np.argsort(span)[::-1][:5]:
+    print(f"  long CTA {ctas[c]}: span {span[c]:.1f}k, start {start[c]:.0f} ns, "
+          f"{tiles[c]} tiles, {segs[c]} segments")
   print("role        region           kcycles per CTA   count per CTA   cycles each")
   for w in range(K.NUM_THREADS):
     for region in K.REGIONS:
