@@ -1,7 +1,7 @@
 """In-kernel timeline of dense MLA decode on the GPU: where each CTA's time goes.
 
 Usage: python benchmarks/profile_mla_decode.py [--shape B:H:CTX] [--mode select|multiply]
-       [--keep DIR]
+       [--keep DIR] [--coarse]
 
 Builds the kernel with Mosaic GPU's profiler on (`build_kernel(profile_dir=...)`),
 runs it on random data laid out like bench_mla_decode.py, and prints per warpgroup
@@ -14,7 +14,8 @@ a tile the consumers record its QK ("qk"), their waits for the other's maximum o
 half ("handoff_wait") and their PVs ("pv"); what a tile spends beside those is its
 softmax and hand-off stores. A warpgroup records at most `PROFILE_RANGES` ranges,
 five to seven per tile for the consumers, so a CTA of more than ~22 tiles is cut
-short: profile a shorter context (batch 128 at 1K: ~16 tiles per CTA). The trace
+short: profile a shorter context (batch 128 at 1K: ~16 tiles per CTA), or pass
+--coarse (no regions inside a tile: two per tile, ~80 tiles per CTA). The trace
 (Chrome / Perfetto JSON) stays under --keep.
 """
 
@@ -38,7 +39,7 @@ from jaxkv.kernels.mla_decode.config import default_config
 ROLES = {0: "consumer 0", 1: "consumer 1", 2: "producer"}
 
 
-def build(q, cache, plan, select, profile_dir=None):
+def build(q, cache, plan, select, profile_dir=None, tile_regions=True):
   # The kernel the shape's default config runs (its ring layout and query
   # registers), on the shape's default plan.
   config = default_config(batch=q.shape[0], num_heads=q.shape[1])
@@ -46,7 +47,7 @@ def build(q, cache, plan, select, profile_dir=None):
       batch=q.shape[0], heads_padded=q.shape[1], num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=cache.shape[1], sm_scale=B.D**-0.5,
       select=select, interpret=None, profile_dir=profile_dir,
-      kv_swizzle=config.kv_swizzle, q_regs=config.q_regs,
+      kv_swizzle=config.kv_swizzle, q_regs=config.q_regs, tile_regions=tile_regions,
   ))
 
 
@@ -92,9 +93,22 @@ def report(rr):
   pct = lambda x: " / ".join(f"{v:.1f}" for v in np.percentile(x, [0, 50, 90, 100]))
   print(f"{n} CTAs; span (kcycles) min/median/p90/max {pct(span)}; "
         f"start (ns after the first) {pct(start)}")
-  for c in np.argsort(span)[::-1][:5]:
-    print(f"  long CTA {ctas[c]}: span {span[c]:.1f}k, start {start[c]:.0f} ns, "
-          f"{tiles[c]} tiles, {segs[c]} segments")
+  def seg_tiles(c):
+    # Consumer 0's tiles per segment, in order (a segment ends at its epilogue).
+    out, k = [], 0
+    for name, _, _ in sorted(rr.get((c, 0), []), key=lambda x: x[1]):
+      if name == "kv_wait":
+        k += 1
+      elif name == "epilogue":
+        out.append(k)
+        k = 0
+    return out
+
+  order = np.argsort(span)
+  for label, pick in (("long", order[::-1][:5]), ("median", order[n // 2 - 2:n // 2 + 3])):
+    for c in pick:
+      print(f"  {label} CTA {ctas[c]}: span {span[c]:.1f}k, start {start[c]:.0f} ns, "
+            f"{tiles[c]} tiles, segments of {seg_tiles(ctas[c])} tiles")
   print("role        region           kcycles per CTA   count per CTA   cycles each")
   for w in range(K.NUM_THREADS):
     for region in K.REGIONS:
@@ -119,6 +133,8 @@ def main():
   ap.add_argument("--shape", default="128:64:2048", help="batch:heads:mean ctx")
   ap.add_argument("--mode", default="select", choices=("select", "multiply"))
   ap.add_argument("--keep", default=None, help="directory that keeps the trace")
+  ap.add_argument("--coarse", action="store_true",
+                  help="no regions inside a tile (qk, handoff_wait, pv): CTAs of ~80 tiles fit")
   args = ap.parse_args()
   b, h, ctx = map(int, args.shape.split(":"))
   rng = np.random.default_rng(0)
@@ -131,7 +147,7 @@ def main():
   out_dir = args.keep or tempfile.mkdtemp()
   os.makedirs(out_dir, exist_ok=True)
   plain = kernel_ms(build(q, cache, plan, select), call_args)
-  prof = build(q, cache, plan, select, out_dir)
+  prof = build(q, cache, plan, select, out_dir, tile_regions=not args.coarse)
   before = set(glob.glob(os.path.join(out_dir, "*.json")))
   jax.block_until_ready(prof(*call_args))
   jax.effects_barrier()

@@ -684,6 +684,96 @@ def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle
   )
 
 
+@pytest.mark.parametrize("splits,grouped", [(3, False), (20, True)])
+def test_float16_partials_match_float32_and_stay_nan_safe(splits, grouped):
+  """`_mla_decode(partial_dtype=jnp.float16)` (the benchmark's A/B of the
+  partials' bytes): the kernel stores each split's normalised O in float16,
+  the merge (the per-split ring, and the grouped pass in its own layout)
+  sums it in float32. Within a bf16 ulp of the float32 partials' result (and
+  not bitwise equal: the float16 store is there), the same LSE, and the same
+  NaN rows under poisoning in both modes."""
+  from jaxkv.kernels.mla_decode.wrapper import _mla_decode
+
+  seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS + 9]
+  q, cache, table, lens = _problem(23, seq_lens, 16)
+  config = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, split_overhead_tiles=0,
+                           kv_swizzle=128)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=16, config=config, num_sms=8)
+  assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2  # a row is cut
+  poisoned, _ = _poison(cache, table, lens)
+
+  def run(select, dtype):
+    return _mla_decode(
+        q, jnp.asarray(poisoned, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens), plan,
+        sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=128, q_regs=0,
+        grouped=grouped, partial_dtype=dtype)
+
+  out16, lse16 = run(True, jnp.float16)
+  out32, lse32 = run(True, jnp.float32)
+  _assert_close((out16, lse16), _ref(q, cache, table, lens))
+  np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+  # The bf16 output flips by one ulp (2^-8) where a float16 rounding of the
+  # partials (2^-11) crosses its rounding boundary: about one element in eight.
+  o16, o32 = (np.asarray(x, np.float32) for x in (out16, out32))
+  assert 0 < np.linalg.norm(o16 - o32) <= 4e-3 * np.linalg.norm(o32)
+  mul, mul_lse = run(False, jnp.float16)
+  nan_rows = np.array([s % BS != 0 for s in seq_lens])
+  np.testing.assert_array_equal(np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2)), nan_rows)
+  np.testing.assert_array_equal(np.asarray(mul_lse), np.asarray(lse32))
+
+
+@pytest.mark.parametrize("partial_cols", [None, 8])
+def test_float16_partials_are_the_float32_ones_rounded(partial_cols):
+  """Bit-level: the decode kernel's float16 partials are its float32 ones
+  rounded (in both layouts: per split, and per merge CTA for the grouped
+  pass), and each merge of float16 partials equals its merge of the same
+  values given as float32."""
+  from jaxkv.kernels.mla_decode import kernel
+  from jaxkv.kernels.mla_decode.merge import build_merge, wide_partials
+
+  seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS + 9]
+  q, cache, table, lens = _problem(29, seq_lens, 64)
+  config = MLADecodeConfig(num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=4)
+  args = (q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+          plan.row_start, plan.part_rows, plan.part_start, plan.row_part)
+
+  def partials(dtype):
+    call = kernel.build_kernel(
+        batch=len(seq_lens), heads_padded=64, num_parts=plan.num_parts, num_splits=3,
+        block_size=BS, sm_scale=SCALE, select=True, partial_cols=partial_cols,
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan"), partial_dtype=dtype)
+    return call(*args)
+
+  (o32, lse32), (o16, lse16) = partials(jnp.float32), partials(jnp.float16)
+  assert o16.dtype == jnp.float16 and np.isfinite(np.asarray(o32)).any()
+  np.testing.assert_array_equal(np.asarray(o16), np.asarray(o32.astype(jnp.float16)))
+  np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+
+  # The merges, on random partials of every split (all live).
+  rng = np.random.default_rng(5)
+  splits = 3 if partial_cols is None else 20
+  batch = 3
+  o = jnp.asarray(rng.standard_normal((batch, splits, 64, 512)), jnp.float16)
+  lse = jnp.asarray(rng.standard_normal((batch, splits, 64)), jnp.float32)
+  bounds = jnp.broadcast_to(jnp.arange(splits + 1, dtype=jnp.int32), (batch, splits + 1))
+  seq = jnp.full((batch,), splits * BS, jnp.int32)
+  group = partial_cols is not None
+  tiling = dict(cols=partial_cols, stages=1) if group else {}
+  if group:
+    o, lse = wide_partials(o, lse, partial_cols)
+
+  def merged(dtype):
+    merge = build_merge(batch=batch, num_splits=splits, heads_padded=64, dv=512,
+                        max_tokens=splits * BS, out_dtype=jnp.bfloat16, interpret=FAST,
+                        group=group, partial_dtype=dtype, **tiling)
+    return merge(seq, bounds, o.astype(dtype), lse)
+
+  (a, la), (b, lb) = merged(jnp.float16), merged(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+
+
 def test_kernel_finishes_whole_rows_and_leaves_cut_rows_to_the_merge():
   """A row that one segment covers whole is written by the decode kernel itself
   (bf16 out and its LSE; no f32 partial), a cut row only as partials, an empty

@@ -48,6 +48,7 @@ which exist.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -118,6 +119,8 @@ def build_kernel(
     q_regs: int = 0,
     partial_cols: int | None = None,
     p_fence: bool | None = None,
+    tile_regions: bool = True,
+    partial_dtype=jnp.float32,
 ):
   """Builds the kernel call.
 
@@ -149,7 +152,9 @@ def build_kernel(
   With `profile_dir` (compiled calls only), every call also writes a trace
   of the `REGIONS` each warpgroup of each CTA went through (Mosaic GPU's
   profiler, SM clock cycles; `benchmarks/profile_mla_decode.py` reads it).
-  A warpgroup records at most `PROFILE_RANGES` of them.
+  A warpgroup records at most `PROFILE_RANGES` of them: `tile_regions=False`
+  leaves out the regions inside a tile ("qk", "handoff_wait", "pv"), so that
+  CTAs of ~80 tiles fit.
 
   `kv_swizzle` (one of `config.KV_SWIZZLES`) is the byte width of the
   swizzle of the query and the KV ring in SMEM. At 64 (32-column tiles) each
@@ -171,6 +176,9 @@ def build_kernel(
   64, num_splits, 64, partial_cols]` and lse as `[batch, heads_padded / 64,
   num_splits, 64]` (`split_outputs`), so that what one merge CTA reads is
   one contiguous run of GMEM each.
+
+  `partial_dtype`: the dtype the partials' O is stored in (float32; 16-bit
+  halves its bytes, for the benchmark's A/B).
 
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
@@ -365,7 +373,7 @@ def build_kernel(
           """One 64-slot tile: our half's scores (masked in a segment's last
           tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
-          with jax.named_scope("qk"):
+          with region_scope(tile_regions)("qk"):
             s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own, q_head=q_head)
           if last:
             # Slots of this tile that hold tokens of the row; the rest (the
@@ -400,7 +408,7 @@ def build_kernel(
           acc, m_new, l_i = seesaw_tile(
               wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
               clean=functools.partial(clean_values, slot, n_keep) if clean else None,
-              whole_pv=whole_pv, fence=fence_all or last,
+              whole_pv=whole_pv, fence=fence_all or last, regions=tile_regions,
           )
           plgpu.barrier_arrive(free_bar.at[slot])
           if last:
@@ -451,11 +459,12 @@ def build_kernel(
           @jax.named_scope("store")
           def partial():
             if partial_cols is None:
-              o_ref[row, split, heads, cols] = o
+              o_ref[row, split, heads, cols] = o.astype(partial_dtype)
             else:  # this half's channels, partial_cols at a time
               per = HALF // partial_cols
               for k in range(per):
-                o_ref[row, wg * per + k, g, split] = o[:, k * partial_cols:(k + 1) * partial_cols]
+                o_ref[row, wg * per + k, g, split] = (
+                    o[:, k * partial_cols:(k + 1) * partial_cols].astype(partial_dtype))
             if wg == 0:
               if partial_cols is None:
                 lse_ref[row, split, heads] = lse
@@ -511,7 +520,7 @@ def build_kernel(
       grid=(num_parts, heads_padded // HEAD_TILE),
       grid_names=("p", "g"),
       out_type=(
-          *split_outputs(batch, num_splits, heads_padded, partial_cols),
+          *split_outputs(batch, num_splits, heads_padded, partial_cols, partial_dtype),
           *([jax.ShapeDtypeStruct((batch, heads_padded, LATENT), dtype),
              jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32)] if finish_rows else []),
       ),
@@ -683,8 +692,13 @@ def seesaw_pv_whole(acc, *, k_lat, slot, wg, p_smem, p_own, compiled: bool):
   return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
 
 
+def region_scope(on: bool):
+  """`jax.named_scope` (a profile region), or a scope that names nothing."""
+  return jax.named_scope if on else (lambda name: contextlib.nullcontext())
+
+
 def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_pv=False,
-                fence=True):
+                fence=True, regions=True):
   """One 64-slot tile's softmax and PV, FlashMLA's "seesaw" over its two halves.
 
   Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)`: `s` is `[64, 32]`
@@ -725,12 +739,14 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       reads it from SMEM, or where TMA writes its tile next. Without it the
       hand-off's barrier alone orders it, for plain loads (every thread
       arrives with release semantics).
+    regions: name the profile regions "handoff_wait" and "pv".
 
   Returns:
     `(acc, m1, l)`.
   """
   m0_bar, p0_bar, p1_bar, p0_free, p1_free = bars
   acc, m_i, l_i = carry
+  scope = region_scope(regions)
   own = pl.ds(wg * SLOT_HALF, SLOT_HALF)
   other = pl.ds((1 - wg) * SLOT_HALF, SLOT_HALF)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -747,9 +763,9 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       acc = acc * bcast(scale0, acc.shape)
       p16 = p.astype(jnp.bfloat16)
       if clean is None:
-        with jax.named_scope("pv"):
+        with scope("pv"):
           acc = pv(acc, own, p=p16)  # beside warpgroup 1's softmax
-    with jax.named_scope("handoff_wait"):
+    with scope("handoff_wait"):
       plgpu.barrier_wait(p1_bar)  # P1 and m1 are out; both QKs are done
     m1 = rows(1)
     scale1 = jnp.exp2(m0 - m1)
@@ -757,7 +773,7 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       clean()
     # Our P at warpgroup 1's scale, for its channels.
     p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
-    with jax.named_scope("handoff_wait"):
+    with scope("handoff_wait"):
       plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
     p_smem[:, own] = p_scaled
     if fence:
@@ -767,19 +783,19 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     if whole_pv:
       # Both halves at m1: our accumulator is rescaled once, from m.
       acc = acc * bcast(jnp.exp2(m_i - m1), acc.shape)
-      with jax.named_scope("pv"):
+      with scope("pv"):
         acc = pv(acc, p_own=p_scaled)
     else:
       if clean is not None:
         # After the hand-off: warpgroup 1 does not wait for this PV.
-        with jax.named_scope("pv"):
+        with scope("pv"):
           acc = pv(acc, own, p=p16)
       acc = acc * bcast(scale1, acc.shape)
-      with jax.named_scope("pv"):
+      with scope("pv"):
         acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p1_free)  # we are done with warpgroup 1's P
   else:
-    with jax.named_scope("handoff_wait"):
+    with scope("handoff_wait"):
       plgpu.barrier_wait(m0_bar)
     m0 = rows(0)
     m1 = jnp.maximum(m0, s.max(axis=1))
@@ -787,7 +803,7 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     p = jnp.exp2(s - bcast(m1, s.shape))
     l_i = l_i * scale + p.sum(axis=1)
     p16 = p.astype(jnp.bfloat16)
-    with jax.named_scope("handoff_wait"):
+    with scope("handoff_wait"):
       plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
     p_smem[:, own] = p16
     xchg[1] = m1
@@ -800,16 +816,16 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       # it handed on m0: our rows can be cleaned without waiting for its P.
       clean()
     if whole_pv:
-      with jax.named_scope("handoff_wait"):
+      with scope("handoff_wait"):
         plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
-      with jax.named_scope("pv"):
+      with scope("pv"):
         acc = pv(acc, p_own=p16)
     else:
-      with jax.named_scope("pv"):
+      with scope("pv"):
         acc = pv(acc, own, p=p16)  # beside warpgroup 0's rescale (and clean)
-      with jax.named_scope("handoff_wait"):
+      with scope("handoff_wait"):
         plgpu.barrier_wait(p0_bar)  # warpgroup 0's P at our scale
-      with jax.named_scope("pv"):
+      with scope("pv"):
         acc = pv(acc, other, p_cols=other)
     plgpu.barrier_arrive(p0_free)  # we are done with warpgroup 0's P
   return acc, m1, l_i
@@ -837,7 +853,7 @@ def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
   return l
 
 
-def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
+def split_outputs(batch, num_splits, heads_padded, partial_cols=None, dtype=jnp.float32):
   """Each split's normalised partial O and its LSE, float32: O `[batch,
   num_splits, heads_padded, 512]` and LSE `[batch, num_splits, heads_padded]`,
   or with `partial_cols` O `[batch, 512 / partial_cols, heads_padded / 64,
@@ -851,7 +867,7 @@ def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
     o_shape = (batch, LATENT // partial_cols, groups, num_splits, HEAD_TILE, partial_cols)
     lse_shape = (batch, groups, num_splits, HEAD_TILE)
   return (
-      jax.ShapeDtypeStruct(o_shape, jnp.float32),
+      jax.ShapeDtypeStruct(o_shape, dtype),
       jax.ShapeDtypeStruct(lse_shape, jnp.float32),
   )
 

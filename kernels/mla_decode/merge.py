@@ -198,7 +198,7 @@ def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
-    group: bool = False,
+    group: bool = False, partial_dtype=jnp.float32,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -232,6 +232,9 @@ def build_merge(
   come in `wide_partials`' layout, the splits come in `GROUP` per copy and
   are weighted by the row's LSE maximum taken first (`grouped_tiling` when
   cols / stages are None; stages then counts groups in flight).
+
+  `partial_dtype`: o's dtype (float32; 16-bit for the benchmark's A/B),
+  summed in float32.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -303,6 +306,7 @@ def build_merge(
       plgpu.barrier_wait(bar.at[slot])
       lse_j = plgpu.load(lse_buf.at[slot], layout=row_layout, optimized=False) * _LOG2E
       o_j = plgpu.load(o_buf.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+      o_j = o_j.astype(jnp.float32)
       # The slot is refilled at once: every thread's reads are ordered before
       # the copy (Pallas's warpgroup barrier ahead of a TMA issue).
       plgpu.commit_smem()
@@ -375,7 +379,7 @@ def build_merge(
         live = live_rows(j)
         w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
         o_j = plgpu.load(o_buf.at[slot, j - group_box_start(k, num_splits)],
-                         layout=plgpu.Layout.WGMMA, optimized=False)
+                         layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
         o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
         acc = acc + o_j * lax.broadcast_in_dim(w, acc.shape, [0])
         l = l + w
@@ -387,13 +391,13 @@ def build_merge(
 
   if group:
     scratch = [
-        plgpu.SMEM((stages, GROUP, HEAD_TILE, cols), jnp.float32),
+        plgpu.SMEM((stages, GROUP, HEAD_TILE, cols), partial_dtype),
         plgpu.SMEM((num_splits, HEAD_TILE), jnp.float32),
         (plgpu.Barrier(num_arrivals=1, num_barriers=stages), plgpu.Barrier(num_arrivals=1)),
     ]
   else:
     scratch = [
-        plgpu.SMEM((stages, HEAD_TILE, cols), jnp.float32),
+        plgpu.SMEM((stages, HEAD_TILE, cols), partial_dtype),
         plgpu.SMEM((stages, HEAD_TILE), jnp.float32),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]

@@ -138,9 +138,10 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "p_fence"))
+                              "group_cols", "finish", "p_fence", "partial_dtype"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
-                q_regs, grouped=None, group_cols=None, finish=None, p_fence=None):
+                q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
+                partial_dtype=jnp.float32):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -176,6 +177,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
       q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence,
+      partial_dtype=partial_dtype,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                            plan.part_rows, plan.part_start, plan.row_part)
@@ -189,7 +191,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     # results as the rows' splits.
     chunk = _merge.CHUNK
     first = _merge.build_merge(
-        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **merge_args
+        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
+        partial_dtype=partial_dtype, **merge_args
     )
     o, lse = first(seq_lens, plan.bounds, o, lse)
     # The second pass reads the chunks' bounds from the plan's own columns.
@@ -203,7 +206,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # never the unwritten rest, and writes the rows the kernel did not.
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      **tiling, **merge_args
+      partial_dtype=partial_dtype, **tiling, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return out[:, :heads], lse_out[:, :heads]
