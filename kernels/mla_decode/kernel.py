@@ -177,8 +177,9 @@ def build_kernel(
   num_splits, 64]` (`split_outputs`), so that what one merge CTA reads is
   one contiguous run of GMEM each.
 
-  `partial_dtype`: the dtype the partials' O is stored in (float32; 16-bit
-  halves its bytes, for the benchmark's A/B).
+  `partial_dtype`: the dtype the partials' O is stored in (float32; float16
+  halves its bytes, for the benchmark's A/B: it overflows where |V| passes
+  65,504, which a bf16 cache can hold).
 
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from

@@ -172,6 +172,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     cols, stages = _merge.grouped_tiling(
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols)
     tiling = dict(cols=cols, stages=stages)
+  # `partial_dtype` (the benchmark's A/B only): float16 halves the partials'
+  # bytes, but overflows for |V| past 65,504, which bf16 caches can hold.
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
