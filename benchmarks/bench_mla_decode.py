@@ -12,8 +12,8 @@ of many splits with the per-split ring instead of the grouped pass,
 (":g8" / ":g16" at that many channels per merge CTA), ":finish" has the
 decode kernel finish whole rows, ":fence" fences every P hand-off (the
 on-device check then also compares it bitwise with the default), ":f16p"
-stores the partials' O in float16 (checked for the default's NaNs and within
-4e-3 of it);
+stores the partials' O in float16, scaled per row and channel half (checked
+for the default's NaNs and LSE and within 4e-3 of it);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -223,7 +223,7 @@ def check_correctness(rng, variant="default"):
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
 SAME_RESULT = {"fence": dict(p_fence=True)}
-# Knobs that round differently (the partials' O stored in float16): checked
+# Knobs that round differently (the partials' O stored in float16, scaled): checked
 # for the same NaNs as the default and outputs within a bf16 ulp of it.
 CLOSE_RESULT = {"f16p": dict(partial_dtype=jnp.float16)}
 

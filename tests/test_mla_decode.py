@@ -684,12 +684,13 @@ def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle
   )
 
 
-@pytest.mark.parametrize("splits,grouped", [(3, False), (20, True)])
+@pytest.mark.parametrize("splits,grouped", [(3, False), (20, True), (40, False)])
 def test_float16_partials_match_float32_and_stay_nan_safe(splits, grouped):
   """`_mla_decode(partial_dtype=jnp.float16)` (the benchmark's A/B of the
   partials' bytes): the kernel stores each split's normalised O in float16,
-  the merge (the per-split ring, and the grouped pass in its own layout)
-  sums it in float32. Within a bf16 ulp of the float32 partials' result (and
+  scaled per row and channel half, the merge (the per-split ring, the
+  grouped pass in its own layout, the two passes past 32 splits) sums it in
+  float32. Within a bf16 ulp of the float32 partials' result (and
   not bitwise equal: the float16 store is there), the same LSE, and the same
   NaN rows under poisoning in both modes."""
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
@@ -723,16 +724,18 @@ def test_float16_partials_match_float32_and_stay_nan_safe(splits, grouped):
 
 
 @pytest.mark.parametrize("partial_cols", [None, 8])
-def test_float16_partials_are_the_float32_ones_rounded(partial_cols):
+def test_float16_partials_are_the_float32_ones_scaled_and_rounded(partial_cols):
   """Bit-level: the decode kernel's float16 partials are its float32 ones
-  rounded (in both layouts: per split, and per merge CTA for the grouped
-  pass), and each merge of float16 partials equals its merge of the same
-  values given as float32."""
+  divided by their scale, the least power of two at or above the largest |O|
+  of the row's channel half, then rounded (in both layouts: per split, and
+  per merge CTA for the grouped pass); and each merge of scaled float16
+  partials equals its merge of the same values, scaled back, as float32."""
   from jaxkv.kernels.mla_decode import kernel
   from jaxkv.kernels.mla_decode.merge import build_merge, wide_partials
 
   seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS + 9]
   q, cache, table, lens = _problem(29, seq_lens, 64)
+  cache[..., :64] *= 1e4  # rows of larger values: scales far from 1
   config = MLADecodeConfig(num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0)
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=4)
   args = (q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
@@ -743,33 +746,50 @@ def test_float16_partials_are_the_float32_ones_rounded(partial_cols):
         batch=len(seq_lens), heads_padded=64, num_parts=plan.num_parts, num_splits=3,
         block_size=BS, sm_scale=SCALE, select=True, partial_cols=partial_cols,
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan"), partial_dtype=dtype)
-    return call(*args)
+    return [np.asarray(x) for x in call(*args)]
 
-  (o32, lse32), (o16, lse16) = partials(jnp.float32), partials(jnp.float16)
-  assert o16.dtype == jnp.float16 and np.isfinite(np.asarray(o32)).any()
-  np.testing.assert_array_equal(np.asarray(o16), np.asarray(o32.astype(jnp.float16)))
-  np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+  (o32, lse32), (o16, lse16, scale) = partials(jnp.float32), partials(jnp.float16)
+  np.testing.assert_array_equal(lse16, lse32)
+  if partial_cols is not None:  # back to the per-split layouts
+    o32, o16 = (x.transpose(0, 3, 2, 4, 1, 5).reshape(6, 3, 64, 512) for x in (o32, o16))
+    scale = scale.transpose(0, 3, 2, 1, 4).reshape(6, 3, 2, 64)
+    lse32 = lse32.transpose(0, 2, 1, 3).reshape(6, 3, 64)
+  written = np.isfinite(lse32)  # [batch, splits, heads]
+  assert written.sum() >= 8 and np.isfinite(o32[written]).all()
+  halves = o32.reshape(6, 3, 64, 2, 256)
+  mag = np.abs(halves).max(axis=-1).transpose(0, 1, 3, 2)  # [batch, splits, 2, heads]
+  sc = scale[np.broadcast_to(written[:, :, None], scale.shape)]
+  assert (np.log2(sc) == np.round(np.log2(sc))).all()  # powers of two
+  mg = mag[np.broadcast_to(written[:, :, None], mag.shape)]
+  assert (sc >= mg).all() and (sc < 2 * mg).all() and sc.max() > 1e3
+  per_chan = np.repeat(scale.transpose(0, 1, 3, 2), 256, axis=-1)  # [batch, splits, heads, 512]
+  want = (o32 / per_chan).astype(np.float16)
+  np.testing.assert_array_equal(o16[written], want[written])
 
-  # The merges, on random partials of every split (all live).
+  # The merges, on random scaled partials of every split (all live).
   rng = np.random.default_rng(5)
   splits = 3 if partial_cols is None else 20
   batch = 3
-  o = jnp.asarray(rng.standard_normal((batch, splits, 64, 512)), jnp.float16)
+  o = rng.uniform(-1, 1, (batch, splits, 64, 512)).astype(np.float16)
   lse = jnp.asarray(rng.standard_normal((batch, splits, 64)), jnp.float32)
+  sc = np.exp2(rng.integers(-4, 12, (batch, splits, 2, 64))).astype(np.float32)
+  o_back = o.astype(np.float32) * np.repeat(sc.transpose(0, 1, 3, 2), 256, axis=-1)
   bounds = jnp.broadcast_to(jnp.arange(splits + 1, dtype=jnp.int32), (batch, splits + 1))
   seq = jnp.full((batch,), splits * BS, jnp.int32)
   group = partial_cols is not None
   tiling = dict(cols=partial_cols, stages=1) if group else {}
-  if group:
-    o, lse = wide_partials(o, lse, partial_cols)
 
-  def merged(dtype):
+  def merged(dtype, o, *scale):
     merge = build_merge(batch=batch, num_splits=splits, heads_padded=64, dv=512,
                         max_tokens=splits * BS, out_dtype=jnp.bfloat16, interpret=FAST,
                         group=group, partial_dtype=dtype, **tiling)
-    return merge(seq, bounds, o.astype(dtype), lse)
+    o, l = jnp.asarray(o), lse
+    if group:
+      o, l = wide_partials(o, l, partial_cols)
+      scale = [s.reshape(batch, splits, 2, 1, 64).transpose(0, 3, 2, 1, 4) for s in scale]
+    return merge(seq, bounds, o, l, *[jnp.asarray(s) for s in scale])
 
-  (a, la), (b, lb) = merged(jnp.float16), merged(jnp.float32)
+  (a, la), (b, lb) = merged(jnp.float16, o, sc), merged(jnp.float32, o_back)
   np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
   np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
 
