@@ -685,12 +685,13 @@ def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle
 
 
 # (The grouped pass is checked bit for bit in the test after this one.)
-@pytest.mark.parametrize("splits,grouped", [(3, False), (40, False)])
-def test_float16_partials_match_float32_and_stay_nan_safe(splits, grouped):
+@pytest.mark.parametrize("splits,grouped,sms", [(3, False, 4), (40, False, 8)])
+def test_float16_partials_match_float32_and_stay_nan_safe(splits, grouped, sms):
   """`_mla_decode(partial_dtype=jnp.float16)` (the benchmark's A/B of the
   partials' bytes): the kernel stores each split's normalised O in float16,
-  scaled per row and channel half, the merge (the per-split ring, the two
-  passes past 32 splits) sums it in float32. Within a bf16 ulp of the float32 partials' result (and
+  scaled per row and channel half, the merge (the per-split ring, beside rows
+  the kernel finished itself; the two passes past 32 splits) sums it in
+  float32. Within a bf16 ulp of the float32 partials' result (and
   not bitwise equal: the float16 store is there), the same LSE, and the same
   NaN rows under poisoning in both modes."""
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
@@ -699,8 +700,9 @@ def test_float16_partials_match_float32_and_stay_nan_safe(splits, grouped):
   q, cache, table, lens = _problem(23, seq_lens, 16)
   config = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, split_overhead_tiles=0,
                            kv_swizzle=128)
-  plan = mla_decode_plan(jnp.asarray(lens), num_heads=16, config=config, num_sms=8)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=16, config=config, num_sms=sms)
   assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2  # a row is cut
+  assert (len(seq_lens) > plan.num_parts) == (sms == 4)  # the kernel finishes whole rows
   poisoned, _ = _poison(cache, table, lens)
 
   def run(select, dtype):
