@@ -872,8 +872,8 @@ def scaled_half(o):
   """A float32 `[64, n]` partial as `(o / scale, scale)`: scale (`[64]`,
   one per row) is the least power of two at or above the row's largest
   finite |o| (1 for a row of zeros; within [2^-126, 2^126]), so o / scale is
-  within [-1, 1] where finite, exact before its cast to float16, and NaN or
-  infinite where o is. Powers of two by their bits: `approx_math` would not
+  within [-1, 1] where finite (within [-4, 4] past 2^126), exact before its
+  cast to float16, and NaN or infinite where o is. Powers of two by their bits: `approx_math` would not
   keep exp2 or a division exact."""
   mag = jnp.where(jnp.abs(o) < jnp.inf, jnp.abs(o), 0.0).max(axis=1)
   bits = lax.bitcast_convert_type(mag, jnp.int32)
