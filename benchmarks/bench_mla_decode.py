@@ -104,6 +104,16 @@ def make_lens(rng, batch, mean_ctx):
   return rng.integers(lo, hi + 1, size=batch).astype(np.int32) if batch > 1 else np.array([mean_ctx], np.int32)
 
 
+def shape_problem(shape: str, seed: int = 0):
+  """`"B:H:CTX"` as one call's random problem, laid out as `bench_shape`
+  lays it out: (q, cache, block table, seq_lens, the default plan). For the
+  probe and profile scripts."""
+  b, h, ctx = map(int, shape.split(":"))
+  rng = np.random.default_rng(seed)
+  q, cache, tables, lens = make_problem(rng, make_lens(rng, b, ctx), h, 1)
+  return q, cache, tables[0], lens, mla_decode_plan(lens, num_heads=h)
+
+
 def make_problem(rng, lens, heads, copies, bs=BS):
   batch = len(lens)
   nblk = -(-lens // bs)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 import bench_mla_decode as B
-from jaxkv.kernels.mla_decode import mla_decode, mla_decode_plan
+from jaxkv.kernels.mla_decode import mla_decode
 
 FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu"
 
@@ -50,12 +50,9 @@ def main():
   ap.add_argument("--seconds", type=float, default=3.0)
   args = ap.parse_args()
   b, h, ctx = map(int, args.shape.split(":"))
-  rng = np.random.default_rng(0)
-  lens = B.make_lens(rng, b, ctx)
-  q, cache, tables, lens = B.make_problem(rng, lens, h, 1)
-  plan = mla_decode_plan(lens, num_heads=h)
+  q, cache, table, lens, plan = B.shape_problem(args.shape)
   step = jax.jit(lambda q, c, t, s, p: mla_decode(q, c, t, s, sm_scale=B.D**-0.5, plan=p))
-  jax.block_until_ready(step(q, cache, tables[0], lens, plan))
+  jax.block_until_ready(step(q, cache, table, lens, plan))
   idle = sample()
   time.sleep(0.5)
   idle.terminate()
@@ -65,7 +62,7 @@ def main():
   t0, calls = time.perf_counter(), 0
   while time.perf_counter() - t0 < args.seconds:
     for _ in range(50):
-      out = step(q, cache, tables[0], lens, plan)
+      out = step(q, cache, table, lens, plan)
     jax.block_until_ready(out)
     calls += 50
   wall = time.perf_counter() - t0

@@ -33,7 +33,6 @@ from jax.experimental.mosaic.gpu.profiler import measure
 
 import bench_mla_decode as B
 from jaxkv.kernels.mla_decode import kernel as K
-from jaxkv.kernels.mla_decode import mla_decode_plan
 from jaxkv.kernels.mla_decode.config import default_config
 
 ROLES = {0: "consumer 0", 1: "consumer 1", 2: "producer"}
@@ -137,11 +136,8 @@ def main():
                   help="no regions inside a tile (qk, handoff_wait, pv): CTAs of ~80 tiles fit")
   args = ap.parse_args()
   b, h, ctx = map(int, args.shape.split(":"))
-  rng = np.random.default_rng(0)
-  lens = B.make_lens(rng, b, ctx)
-  q, cache, tables, lens = B.make_problem(rng, lens, h, 1)
-  plan = mla_decode_plan(lens, num_heads=h)
-  call_args = (q, cache, tables[0], lens, plan.row_start, plan.part_rows,
+  q, cache, table, lens, plan = B.shape_problem(args.shape)
+  call_args = (q, cache, table, lens, plan.row_start, plan.part_rows,
                plan.part_start, plan.row_part)
   select = args.mode == "select"
   out_dir = args.keep or tempfile.mkdtemp()

@@ -20,10 +20,9 @@ import json
 import tempfile
 
 import jax
-import numpy as np
 
 import bench_mla_decode as B
-from jaxkv.kernels.mla_decode import mla_decode, mla_decode_plan
+from jaxkv.kernels.mla_decode import mla_decode
 
 
 def gpu_kernels(trace_path):
@@ -44,17 +43,14 @@ def main():
   ap.add_argument("--calls", type=int, default=4)
   ap.add_argument("--keep", default=None, help="directory for the trace (default: a temporary one)")
   args = ap.parse_args()
-  b, h, c = map(int, args.shape.split(":"))
-  rng = np.random.default_rng(0)
-  q, cache, tables, lens = B.make_problem(rng, B.make_lens(rng, b, c), h, 1)
-  plan = mla_decode_plan(lens, num_heads=h)
+  q, cache, table, lens, plan = B.shape_problem(args.shape)
   qs = tuple(q * (1 + i / 64) for i in range(args.calls))
   g = jax.jit(lambda qs, c, t, s, p: [mla_decode(x, c, t, s, sm_scale=B.D**-0.5, plan=p)[0] for x in qs])
-  jax.block_until_ready(g(qs, cache, tables[0], lens, plan))
+  jax.block_until_ready(g(qs, cache, table, lens, plan))
   out_dir = args.keep or tempfile.mkdtemp(prefix="jaxkv-trace-")
   with jax.profiler.trace(out_dir, create_perfetto_trace=True):
     for _ in range(3):
-      jax.block_until_ready(g(qs, cache, tables[0], lens, plan))
+      jax.block_until_ready(g(qs, cache, table, lens, plan))
   (path,) = glob.glob(f"{out_dir}/**/perfetto_trace.json.gz", recursive=True)
   ks = gpu_kernels(path)
   print(f"{jax.devices()[0].device_kind} jax {jax.__version__}; {args.shape}, {args.calls} calls per function, 3 functions")
