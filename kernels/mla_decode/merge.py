@@ -284,10 +284,11 @@ def build_merge(
       chans = pl.ds(c * cols, cols)
       n = live_splits(bound, span)  # the row's first n splits are its live ones
       row = merge_row_grouped if group else merge_row
-      # The channel half these channels are in: which of a split's scales.
-      half = lax.div(c * cols, HALF)
+      # float16 partials: the channel half these channels are in picks the
+      # split's scale.
+      scales = None if scale_ref is None else (scale_ref, s_buf, lax.div(c * cols, HALF))
       acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
-                      scales=None if scale_ref is None else (scale_ref, s_buf, half))
+                      scales=scales)
       o, lse = softmax_finish(acc, m, l)
       row_out[heads, chans] = o.astype(out_dtype)
 
