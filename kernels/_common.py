@@ -77,17 +77,6 @@ def _has_gpu() -> bool:
     return False
 
 
-@functools.cache
-def num_sms() -> int:
-  """Multiprocessors of the first GPU (132 on an H200); 132 where there is none
-  (the interpreter on a CPU runs an H200's grid)."""
-  if _has_gpu():
-    count = getattr(jax.devices("gpu")[0], "core_count", None)
-    if isinstance(count, int) and count > 0:
-      return count
-  return 132
-
-
 def device_kind() -> str:
   """A file-name-safe name of the first device, e.g. `nvidia_h200`."""
   kind = jax.devices()[0].device_kind

@@ -35,20 +35,11 @@ def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
   return q, cache, idx
 
 
-def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0, persistent=False):
+def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0):
   return sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
-      config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs, persistent=persistent),
+      config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs),
   )
-
-
-@pytest.fixture
-def two_sms(monkeypatch):
-  """A device of two SMs, so that persistent CTAs walk several items each."""
-  import importlib
-
-  wrapper = importlib.import_module("jaxkv.kernels.sparse_mla_decode.wrapper")
-  monkeypatch.setattr(wrapper, "num_sms", lambda: 2)
 
 
 def _check(out, lse, ref_out, ref_lse):
@@ -135,47 +126,6 @@ def test_nan_poisoning():
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
 
-@pytest.mark.parametrize(
-    "heads, mode, splits, batch",
-    # Per head group 2 CTAs (1 at 128 heads) walk 5, 4 and 6 items.
-    [(64, "select", 1, 5), (128, "multiply", 2, 2), (16, "select", 2, 3)],
-)
-def test_persistent_ctas_match_one_cta_per_item(two_sms, heads, mode, splits, batch):
-  """Persistent CTAs (several items each through one ring, the query reloaded
-  per item) give bit for bit what one CTA per item gives, and the reference."""
-  q, cache, idx = _inputs(heads + batch, batch, heads, 128 * splits, dead_rows=(1,))
-  out, lse = _run(q, cache, idx, mode, splits, persistent=True)
-  one_out, one_lse = _run(q, cache, idx, mode, splits, interpret=FAST)
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(one_out, np.float32))
-  np.testing.assert_array_equal(np.asarray(lse), np.asarray(one_lse))
-  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
-  live = np.isfinite(np.asarray(ref_lse)).all(axis=1)
-  assert (np.asarray(out[1], np.float32) == 0).all()  # the row of -1s only
-  _check(out[live], lse[live], ref_out[live], ref_lse[live])
-
-
-@pytest.mark.parametrize("mode", ["select", "multiply"])
-def test_no_bytes_pass_between_a_ctas_items(two_sms, mode):
-  """Row 0 selects a slot holding NaN, which lands in its first tile's stage;
-  rows 2 and 4, walked after it by the same persistent CTA through the same
-  stage, hold -1s at that tile row, which must not keep row 0's bytes: they
-  match the reference, finite."""
-  q, cache, idx = _inputs(21, 5, 64, 128, invalid=0.0)
-  cache = cache.at[0, 0].set(0.0)  # a clean null block: "multiply" stays finite too
-  bad = int(idx[0, 3])
-  idx = jnp.where(idx == bad, 1, idx).at[0, 3].set(bad)  # only row 0 selects it
-  # (In "multiply" each tile's first -1 reads the null block: these start at 1.)
-  idx = idx.at[2, 1:40].set(-1).at[4, 1::2].set(-1)
-  rows = cache.reshape(-1, 576)
-  poisoned = rows.at[bad].set(jnp.nan).reshape(cache.shape)
-  out, lse = _run(q, poisoned, idx, mode, interpret=FAST, persistent=True)
-  ref_out, ref_lse = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode=mode)
-  # Row 0 as the reference has it: NaN weights are no weight (0, LSE -inf).
-  assert (np.asarray(ref_lse[0]) == -np.inf).all() and (np.asarray(lse[0]) == -np.inf).all()
-  assert (np.asarray(out[0], np.float32) == 0).all()
-  _check(out[1:], lse[1:], ref_out[1:], ref_lse[1:])
-
-
 def test_inside_jit_with_traced_indices():
   q, cache, idx = _inputs(3, 1, 16, 128)
   f = jax.jit(lambda q, c, i: _run(q, c, i, "select", 2))
@@ -219,9 +169,6 @@ def test_config_validation():
     SparseMLADecodeConfig(implementation="triton")
   with pytest.raises(ValueError, match="q_regs"):
     SparseMLADecodeConfig(q_regs=32)
-  # (The suite's runtime type checks answer first, with a TypeError.)
-  with pytest.raises((TypeError, ValueError), match="persistent"):
-    SparseMLADecodeConfig(persistent=1)
 
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])
@@ -254,11 +201,9 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "select, splits, heads, q_regs, num_ctas",
-    [(True, 1, 64, 0, None), (False, 2, 128, 0, None), (True, 1, 128, 128, None),
-     (True, 1, 128, 128, 1), (False, 2, 64, 128, 3)],
+    "select, splits, heads, q_regs", [(True, 1, 64, 0), (False, 2, 128, 0), (True, 1, 128, 128)]
 )
-def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, num_ctas):
+def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs):
   """The compiled kernel's own path (the per-thread cp.async gather, the stage
   mbarriers, "multiply"'s warp reduction) exists only for the GPU, where the
   interpreter cannot run it: lowering it for CUDA here catches a broken body on a
@@ -268,13 +213,12 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, num_ct
   batch, topk = 2, 64 * splits
   call = K.build_kernel(
       batch=batch, heads_padded=heads, topk=topk, num_splits=splits, sm_scale=SCALE,
-      select=select, interpret=None, q_regs=q_regs, num_ctas=num_ctas,
+      select=select, interpret=None, q_regs=q_regs,
   )
   args = (
       jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),
       jax.ShapeDtypeStruct((NUM_BLOCKS * BLOCK_SIZE, 576), jnp.bfloat16),
       jax.ShapeDtypeStruct((batch, topk), jnp.int32),
-      jax.ShapeDtypeStruct((1, 576), jnp.bfloat16),
   )
   text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   ops = ["nvvm.cp.async.shared.global", "nvvm.cp.async.mbarrier.arrive",

@@ -32,16 +32,11 @@ class SparseMLADecodeConfig:
       one of 0, 64, 128, 192). 128 measured fastest on the H200 (topk 2048,
       2026-12-01: 128 heads 165.1 -> 160.8 µs, 64 heads 94.6 -> 91.6, 64 x 64
       flat; 192 spills and is 6-21% slower; NOTES.md).
-    persistent: one CTA per SM and head group, each walking its items (row,
-      split) one after the other through one KV ring, instead of one CTA per
-      item: where items outnumber the SMs, a CTA's start and end are paid
-      once, not once per wave.
   """
 
   num_splits: int = 1
   implementation: str = "pallas"
   q_regs: int = 128
-  persistent: bool = False
 
   def __post_init__(self):
     value = self.num_splits
@@ -52,8 +47,6 @@ class SparseMLADecodeConfig:
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
     check_choice("q_regs", self.q_regs, Q_REGS)
-    if not isinstance(self.persistent, bool):
-      raise ValueError(f"{self.persistent=} must be a bool")
 
 
 def heuristic_config(

@@ -42,7 +42,7 @@ SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 
 
 def issue_gather(
-    ids, cache, zero, k_lat, k_rope, idx_src, idx_dst, bar, scratch, *, tile: int, transforms,
+    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, scratch, *, tile: int, transforms,
     null_once: bool,
 ) -> None:
   """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r, and `idx_src`
@@ -52,13 +52,9 @@ def issue_gather(
 
   Args:
     ids: `[tile]` int32 SMEM ref: the cache rows (clamped into the cache). A
-      negative id copies `zero`'s row instead, except with `null_once` the
-      first negative one, which copies row 0 (the null block): every row of
-      the tile is written, so none holds what an earlier tile (another
-      batch row's selection, in a persistent CTA) left there.
+      negative id copies nothing (row r keeps what it held), except with
+      `null_once` the first negative one, which copies row 0 (the null block).
     cache: `[num_rows, 576]` bf16 GMEM ref.
-    zero: `[1, 576]` bf16 GMEM ref of zeros (not the cache: "select" reads no
-      slot outside the selection).
     k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
       `transforms`.
     k_rope: `[tile, 64]` bf16 SMEM ref under `transforms`.
@@ -82,7 +78,6 @@ def issue_gather(
       arg_types=(
           plgpu.RefType(),
           plgpu.RefType(),
-          plgpu.RefType(),
           plgpu.RefType(transforms=transforms),
           plgpu.RefType(transforms=transforms),
           plgpu.RefType(),
@@ -91,7 +86,7 @@ def issue_gather(
           *([plgpu.RefType()] if null_once else []),
       )
   )
-  def _issue(_ctx, ids_ref, cache_ref, zero_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref,
+  def _issue(_ctx, ids_ref, cache_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref,
              bar_ref, scratch_ref=None):
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
@@ -119,13 +114,6 @@ def issue_gather(
     rope_ptr = dst_ptr(rope_ref, rope_tiles_per_row)
     cache_ptr = llvm.addrspacecast(
         llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(cache_ref)
-    )
-    zero_ptr = llvm.addrspacecast(
-        llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(zero_ref)
-    )
-    # This thread's pieces of the zero row (the same 16-byte pieces of any row).
-    zero_src = mgpu_utils.getelementptr(
-        zero_ptr, [arith.extui(i64, arith.muli(lane, c32(PIECE)))], i8
     )
 
     def copy_row(src, p):
@@ -179,8 +167,6 @@ def issue_gather(
         copy = arith.ori(copy, arith.cmpi(arith.CmpIPredicate.eq, r, first))
       with mgpu_utils.when(copy):
         copy_row(src, p)
-      with mgpu_utils.when(arith.xori(copy, mgpu_utils.c(1, ir.IntegerType.get_signless(1)))):
-        copy_row(zero_src, p)
     # The indices: one 16-byte piece (4 of them) per thread of the first few.
     idx_pieces = tile * 4 // PIECE
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, t, c32(idx_pieces))):
@@ -196,8 +182,37 @@ def issue_gather(
       )
     nvvm.cp_async_mbarrier_arrive(mgpu_utils.memref_ptr(bar_ref), noinc=True)
 
-  _issue(ids, cache, zero, k_lat, k_rope, idx_src, idx_dst, bar,
-         *([scratch] if null_once else []))
+  _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *([scratch] if null_once else []))
+
+
+def zero_fill(*refs, transforms) -> None:
+  """Stores zeros over every byte of `refs` (SMEM refs under `transforms`, each a
+  multiple of 2 KiB).
+
+  Called by all 128 threads of one warpgroup, compiled only (16 bytes per
+  thread per store, consecutive threads on consecutive pieces). Not ordered
+  with anything: the caller fences and synchronises.
+  """
+
+  @plgpu.inline_mgpu(arg_types=tuple(plgpu.RefType(transforms=transforms) for _ in refs))
+  def _fill(_ctx, *mrefs):
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    c32 = lambda v: mgpu_utils.c(v, i32)
+    vec = ir.VectorType.get((4,), i32)
+    zero = arith.constant(vec, ir.DenseElementsAttr.get_splat(vec, ir.IntegerAttr.get(i32, 0)))
+    t = arith.remui(mgpu_utils.thread_idx(), c32(128))
+    for mref in mrefs:
+      ty = ir.MemRefType(mref.type)
+      nbytes = math.prod(ty.shape) * mgpu_utils.bitwidth(ty.element_type) // 8
+      assert nbytes % (128 * PIECE) == 0, nbytes
+      base = mgpu_utils.getelementptr(
+          mgpu_utils.memref_ptr(mref), [arith.muli(t, c32(PIECE))], i8
+      )
+      for k in range(nbytes // (128 * PIECE)):
+        llvm.store(zero, mgpu_utils.getelementptr(base, [k * 128 * PIECE], i8))
+
+  _fill(*refs)
 
 
 def init_barriers(bars, *, arrivals: int) -> None:

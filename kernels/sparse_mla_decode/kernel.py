@@ -1,13 +1,4 @@
-"""Mosaic GPU body of sparse MLA decode: CTAs walking (row, split) items per head group.
-
-An item is a row's split of its top-k list (all of it with one split). By
-default each CTA takes one item and head group; `num_ctas` makes the CTAs
-persistent: `num_ctas` per head group, CTA p walking items p, p + num_ctas,
-... one after the other through one KV ring, so that where the items
-outnumber the SMs (128 heads at batch 128: 256 items on 132 SMs) each CTA's
-start (barriers, the first query and tile) and its end are paid once, not
-once per wave. The two head groups of an item are adjacent CTAs, so the
-second reads its rows from L2.
+"""Mosaic GPU body of sparse MLA decode: one CTA per (row, split, head group).
 
 A row's keys are arbitrary cache slots. Warpgroup 2, the producer, gathers
 each 64-row tile of them straight into the swizzled wgmma operand tiles of a
@@ -33,12 +24,11 @@ multiplies its own P at once and the other's when it arrives).
 Masking. Any slot of any tile can be a -1, so every tile is masked: each
 stage's 64 indices land in SMEM with its rows, and the consumers give an
 index < 0 the score -inf in both modes. What the producer copies for a -1
-differs: "select" copies a row of zeros (a 1 KB input beside the cache, read
-from L2), so no slot outside the row's selection is ever read and the masked
-row is finite, weighted exactly 0 (never bytes an earlier item left in the
-stage: a NaN another batch row selected must not reach this one);
+differs: "select" copies nothing (the stage was zeroed at the start, so the
+row holds finite bytes: zeros or an earlier row of this CTA's own selection,
+weighted exactly 0), so no slot outside the row's selection is ever read;
 "multiply" reads slot 0 (the null block) for the first -1 of each tile and
-the zero row for the others, so a non-finite null block meets p = 0 in the
+nothing for the others, so a non-finite null block meets p = 0 in the
 accumulator (0 * NaN = NaN) and poisons the row exactly as in production
 kernels, which read it for every -1 (once or many times, 0 * NaN is NaN and
 0 * finite adds +0), without every CTA of the step reading one hot row.
@@ -90,6 +80,7 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
     issue_gather,
     wait_barrier,
     warpgroup_barrier,
+    zero_fill,
 )
 
 HEAD_DIM = LATENT + ROPE
@@ -119,15 +110,13 @@ def build_kernel(
     interpret,
     out_dtype=jnp.float32,
     q_regs: int = 0,
-    num_ctas: int | None = None,
 ):
   """Builds the kernel call.
 
-  Returns a function `(q, cache_rows, indices, zero_row) -> (o, lse)` with q
+  Returns a function `(q, cache_rows, indices) -> (o, lse)` with q
   `[batch, heads_padded, 576]` bf16, cache_rows `[num_slots, 576]` bf16 (the
   cache with blocks and slots merged), indices `[batch, topk]` int32 (-1:
-  masked; "multiply" reads slot 0 for the first -1 of each tile), zero_row
-  `[1, 576]` bf16 zeros (what a -1 copies otherwise). With several
+  masked; "multiply" reads slot 0 for the first -1 of each tile). With several
   splits, o `[batch, num_splits, heads_padded, 512]` f32 and lse `[batch,
   num_splits, heads_padded]` f32 are each split's partial result, for
   `combine_splits`. With one split they are the result itself, with no split
@@ -136,18 +125,9 @@ def build_kernel(
 
   `q_regs`: the query's latent channels each consumer holds in registers for
   its QK, as in dense decode (`mla_decode.kernel.build_kernel`).
-
-  `num_ctas`: CTAs per head group, each walking the items (row, split) p,
-  p + num_ctas, ... (capped at the item count); None: one CTA per item.
   """
   assert topk % (TILE * num_splits) == 0
   check_choice("q_regs", q_regs, Q_REGS)
-  num_items = batch * num_splits
-  if num_ctas is None:
-    num_ctas = num_items
-  if not isinstance(num_ctas, int) or num_ctas < 1:
-    raise ValueError(f"{num_ctas=} must be a positive int or None")
-  num_ctas = min(num_ctas, num_items)
   num_tiles = topk // (TILE * num_splits)  # per split, static
   scale_log2 = float(sm_scale) * _LOG2E
   dtype = jnp.bfloat16
@@ -159,30 +139,17 @@ def build_kernel(
       q_ref,  # [batch, heads_padded, 576] bf16, GMEM
       cache_ref,  # [num_slots, 576] bf16, GMEM
       idx_ref,  # [batch, topk] int32, GMEM
-      zero_ref,  # [1, 576] bf16 zeros, GMEM
       o_ref,  # [batch, (num_splits,) heads_padded, 512], GMEM
       lse_ref,  # [batch, (num_splits,) heads_padded] f32, GMEM
   ):
     g = lax.axis_index("g")
-    cta = lax.axis_index("p")
+    split = lax.axis_index("s")
+    b = lax.axis_index("b")
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
-    # This CTA's items: cta, cta + num_ctas, ... (at least one).
-    my_items = (num_items - cta + num_ctas - 1) // num_ctas
-    total = my_items * num_tiles  # tiles through the ring
-
-    def item(k):
-      """The k-th item of this CTA: (row, split)."""
-      j = cta + k * num_ctas
-      return j // num_splits, lax.rem(j, num_splits)
-
-    def tile_src(t):
-      """The t-th tile of this CTA's walk: (row, its indices in idx_ref)."""
-      b, split = item(t // num_tiles)
-      tok = (split * num_tiles + lax.rem(t, num_tiles)) * TILE
-      return b, idx_ref.at[b, pl.ds(tok, TILE)]
+    tok0 = split * (num_tiles * TILE)
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
-               q_bar, idx_bar, free_bar, sync_bar, q_free_bar,
+               q_bar, idx_bar, free_bar, sync_bar,
                m0_bar, p0_bar, p1_bar, p0_free, p1_free, *extra_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
       # and k_rope [stages, 64, 64] bf16: the KV ring; p_smem [64, 64] bf16: P
@@ -191,14 +158,12 @@ def build_kernel(
       # end its row sums); m0_bar ... p1_free: `seesaw_barriers()`;
       # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
       # stage_idx [stages, 64] int32: each stage's indices (-1: masked);
-      # q_free_bar: both consumers are done with an item's query (its last
-      # QK) and P (its last PVs), which the next item's query overwrites.
       # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
       # stage: its tile's copies landed) and in "multiply" scratch [4] int32
       # (the producer's warps' first -1 of a tile); interpreted, the RoPE
       # query's buffer and ready_bar (a stage's copies landed).
       # Compiled, the RoPE query lands in p_smem and moves to registers
-      # before the item's first P is written (SMEM holds nothing more); the
+      # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
       if compiled:
         landed, *rest = extra_refs
@@ -216,34 +181,42 @@ def build_kernel(
           # Before the query's copy: the consumers' wait on it orders their
           # first wait on a stage after this.
           init_barriers(landed, arrivals=128)
-
-        def load_query(k):
-          b, _ = item(k)
-          for h in range(2):
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[b, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
-            )
+        for h in range(2):
           plgpu.copy_gmem_to_smem(
-              q_ref.at[b, heads, pl.ds(LATENT, ROPE)], q_rope_smem, q_bar
+              q_ref.at[b, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
+          )
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[b, heads, pl.ds(LATENT, ROPE)], q_rope_smem, q_bar
+        )
+
+        def fetch_ids(tile):
+          ring = lax.rem(tile, IDX_STAGES)
+          plgpu.copy_gmem_to_smem(
+              idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)],
+              ids.at[ring],
+              idx_bar.at[ring],
           )
 
-        def fetch_ids(t):
-          ring = lax.rem(t, IDX_STAGES)
-          _, src = tile_src(t)
-          plgpu.copy_gmem_to_smem(src, ids.at[ring], idx_bar.at[ring])
+        for t in range(min(IDX_STAGES, num_tiles)):
+          fetch_ids(t)
+        # A -1 copies nothing (but in "multiply" the first of a tile), so its
+        # row keeps what the stage held: finite bytes (zeros, or a row this CTA
+        # gathered before), weighted exactly 0.
+        if compiled:
+          zero_fill(k_lat, k_rope, transforms=bf16)
+        else:
+          k_lat[...] = jnp.zeros(k_lat.shape, dtype)
+          k_rope[...] = jnp.zeros(k_rope.shape, dtype)
+        plgpu.commit_smem()
 
-        load_query(0)
-        for t in range(IDX_STAGES):
-          pl.when(t < total)(lambda t=t: fetch_ids(t))
-
-        def gather(t, stage):
-          ring = lax.rem(t, IDX_STAGES)
+        def gather(tile, stage):
+          ring = lax.rem(tile, IDX_STAGES)
           plgpu.barrier_wait(idx_bar.at[ring])
           # The tile's indices travel with its rows: the consumers mask by them.
-          _, tile_idx = tile_src(t)
+          tile_idx = idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)]
           if compiled:
             issue_gather(
-                ids.at[ring], cache_ref, zero_ref, k_lat.at[stage], k_rope.at[stage],
+                ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
                 tile_idx, stage_idx.at[stage], landed.at[stage], scratch,
                 tile=TILE, transforms=bf16, null_once=not select,
             )
@@ -261,7 +234,9 @@ def build_kernel(
               sid = ids[ring, r]
               copy = (sid >= 0) | (r == first)
 
-              def rows(src):
+              @pl.when(copy)
+              def _():
+                src = cache_ref.at[pl.ds(jnp.maximum(sid, 0), 1)]
                 for h in range(2):
                   plgpu.copy_gmem_to_smem(
                       src.at[:, pl.ds(h * HALF, HALF)],
@@ -274,38 +249,29 @@ def build_kernel(
                     ready_bar.at[stage],
                 )
 
-              pl.when(copy)(lambda: rows(cache_ref.at[pl.ds(jnp.maximum(sid, 0), 1)]))
-              pl.when(~copy)(lambda: rows(zero_ref))
+              @pl.when(~copy)
+              def _():
+                for _ in range(3):  # the copies' arrivals
+                  plgpu.barrier_arrive(ready_bar.at[stage])
 
         # Compiled, a stage is ready when its copies landed (each producer
         # thread's arrival on `landed` completes with them), so the producer
         # moves on as soon as the next stage is free and both stages can be
-        # filling at once; interpreted, the copies arrive on `ready_bar`. The
-        # ring runs on across items: an item's first tile is issued as soon
-        # as its stage is free, before the previous item's last tile is done.
-        @pl.loop(0, total)
-        def _(t):
-          stage = lax.rem(t, NUM_STAGES)
-          pl.when(t >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
-          gather(t, stage)
+        # filling at once; interpreted, the copies arrive on `ready_bar`.
+        @pl.loop(0, num_tiles)
+        def _(i):
+          stage = lax.rem(i, NUM_STAGES)
+          pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
+          gather(i, stage)
           # Every thread's reads of the tile's ids before their refill (the
           # interpreter has no inline barrier: commit_smem is one too).
           (warpgroup_barrier if compiled else plgpu.commit_smem)()
-          pl.when(t + IDX_STAGES < total)(lambda: fetch_ids(t + IDX_STAGES))
+          pl.when(i + IDX_STAGES < num_tiles)(lambda: fetch_ids(i + IDX_STAGES))
 
-          # A new item's query, once the consumers are done with the last one.
-          @pl.when((lax.rem(t, num_tiles) == 0) & (t > 0))
-          def _():
-            plgpu.barrier_wait(q_free_bar)
-            load_query(t // num_tiles)
-
-        # Observe the release of the last query and stages too: every waiter
-        # of a barrier must see each of its phases.
-        plgpu.barrier_wait(q_free_bar)
-
-        @pl.loop(jnp.maximum(total, NUM_STAGES) - NUM_STAGES, total)
-        def _(t):
-          plgpu.barrier_wait(free_bar.at[lax.rem(t, NUM_STAGES)])
+        # Observe the releases of the last tiles too, so that every barrier
+        # phase is consumed before the barriers go away.
+        for i in range(max(num_tiles - NUM_STAGES, 0), num_tiles):
+          plgpu.barrier_wait(free_bar.at[i % NUM_STAGES])
 
       def consumer(wg: int):
         # `wg` is static: every SMEM slice below has a compile-time offset.
@@ -315,67 +281,58 @@ def build_kernel(
         slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
         bars = (m0_bar, p0_bar, p1_bar, p0_free, p1_free)
 
-        def consume(k, _):
-          b, split = item(k)
-          plgpu.barrier_wait(q_bar)
-          # The RoPE part of the query lives in registers (16 per thread).
-          # (The interpreter cannot take a register operand for a wgmma into
-          # an accumulator ref: it reads it from SMEM.)
-          q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
-          q_head = query_head(q_lat, q_regs, in_regs=compiled)
+        plgpu.barrier_wait(q_bar)
+        # The RoPE part of the query lives in registers (16 per thread).
+        # (The interpreter cannot take a register operand for a wgmma into an
+        # accumulator ref: it reads it from SMEM.)
+        q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
+        q_head = query_head(q_lat, q_regs, in_regs=compiled)
 
-          def step(i, carry):
-            t = k * num_tiles + i  # the tile's place in the ring's walk
-            stage = lax.rem(t, NUM_STAGES)
-            if compiled:
-              parity = lax.rem(t // NUM_STAGES, 2)
-              for ph in range(2):
-                pl.when(parity == ph)(
-                    lambda ph=ph: wait_barrier(landed.at[stage], parity=ph)
-                )
-            else:
-              plgpu.barrier_wait(ready_bar.at[stage])
-            # Our slots' indices, from SMEM at the point of use (a loop-carried
-            # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
-            idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
-
-            s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=q_head)
-            valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
-            s = jnp.where(valid, s * scale_log2, -jnp.inf)
-            # m starts at a finite floor below any score, so a row with no
-            # valid index so far gets p = exp2(-inf - floor) = 0, never NaN.
-            pv = functools.partial(
-                seesaw_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=p_smem, p_scratch=p_scratch
-            )
-            carry = seesaw_tile(wg, s, carry, pv=pv, xchg=xchg, p_smem=p_smem, bars=bars)
-            plgpu.barrier_arrive(free_bar.at[stage])
-            return carry
-
-          acc, _, l_i = softmax_start(HALF)
-          m_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_FLOOR, jnp.float32), row_layout)
-          acc, m_i, l_own = lax.fori_loop(0, num_tiles, step, (acc, m_i, l_i))
-          # The item's last QK and PVs are done: the next query may land.
-          plgpu.barrier_arrive(q_free_bar)
-          # The exchange rows serve the next item's maxima too.
-          l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
-          o, lse = softmax_finish(acc, m_i, l_i)
-          cols = pl.ds(wg * HALF, HALF)
-          if direct:
-            # The row's result, as `combine_splits` of one split gives it: 0
-            # where no index is valid (also where "multiply" met NaN there).
-            has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
-            o_ref[b, heads, cols] = jnp.where(has, o, 0.0).astype(out_dtype)
-            if wg == 0:
-              lse_ref[b, heads] = lse
+        def step(i, carry):
+          stage = lax.rem(i, NUM_STAGES)
+          if compiled:
+            parity = lax.rem(i // NUM_STAGES, 2)
+            for ph in range(2):
+              pl.when(parity == ph)(
+                  lambda ph=ph: wait_barrier(landed.at[stage], parity=ph)
+              )
           else:
-            o_ref[b, split, heads, cols] = o
-            if wg == 0:
-              lse_ref[b, split, heads] = lse
-          return 0
+            plgpu.barrier_wait(ready_bar.at[stage])
+          # Our slots' indices, from SMEM at the point of use (a loop-carried
+          # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
+          idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
+          s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=q_head)
+          valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
+          s = jnp.where(valid, s * scale_log2, -jnp.inf)
+          # m starts at a finite floor below any score, so a row with no
+          # valid index so far gets p = exp2(-inf - floor) = 0, never NaN.
+          pv = functools.partial(
+              seesaw_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=p_smem, p_scratch=p_scratch
+          )
+          carry = seesaw_tile(wg, s, carry, pv=pv, xchg=xchg, p_smem=p_smem, bars=bars)
+          plgpu.barrier_arrive(free_bar.at[stage])
+          return carry
+
+        acc, _, l_i = softmax_start(HALF)
+        m_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_FLOOR, jnp.float32), row_layout)
         seesaw_begin(wg, bars)
-        lax.fori_loop(0, my_items, consume, 0)
+        acc, m_i, l_own = lax.fori_loop(0, num_tiles, step, (acc, m_i, l_i))
         seesaw_end(wg, bars)
+        l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=False)
+        o, lse = softmax_finish(acc, m_i, l_i)
+        cols = pl.ds(wg * HALF, HALF)
+        if direct:
+          # The row's result, as `combine_splits` of one split gives it: 0
+          # where no index is valid (also where "multiply" met NaN there).
+          has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
+          o_ref[b, heads, cols] = jnp.where(has, o, 0.0).astype(out_dtype)
+          if wg == 0:
+            lse_ref[b, heads] = lse
+        else:
+          o_ref[b, split, heads, cols] = o
+          if wg == 0:
+            lse_ref[b, split, heads] = lse
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -406,7 +363,6 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
         *extra,
         collective_axes="wg",
@@ -416,8 +372,8 @@ def build_kernel(
   # explicit commit_smem or an mbarrier.
   return launch(
       sparse_mla_decode_kernel,
-      grid=(num_ctas, heads_padded // HEAD_TILE),
-      grid_names=("p", "g"),
+      grid=(batch, num_splits, heads_padded // HEAD_TILE),
+      grid_names=("b", "s", "g"),
       out_type=(
           (jax.ShapeDtypeStruct((batch, heads_padded, LATENT), out_dtype),
            jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32))

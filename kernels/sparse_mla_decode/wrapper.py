@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
-from jaxkv.kernels._common import num_sms, require_interpreter_threads, resolve_interpret
+from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
@@ -39,8 +39,8 @@ def sparse_mla_decode(
   Semantics are those of `sparse_mla_decode_reference`: `-1` entries get
   probability 0; "multiply" clamps them to slot 0 (the null block) and still
   accumulates its value row, "select" never lets them reach the accumulator
-  (the kernel reads a row of zeros for them: no slot outside the selection
-  is read); duplicates count as
+  (the kernel reads nothing for them: no slot outside the selection is
+  read); duplicates count as
   often as they appear; a row without a valid entry gives `out` 0 and `lse`
   -inf. Works under `jax.jit` with traced indices.
 
@@ -87,7 +87,6 @@ def sparse_mla_decode(
         num_splits=config.num_splits,
         interpret=interpret,
         q_regs=config.q_regs,
-        num_ctas=num_sms() // -(-heads // _kernel.HEAD_TILE) if config.persistent else None,
     )
 
 
@@ -128,12 +127,9 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "num_ctas"),
+    jax.jit, static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs")
 )
-def _sparse_mla_decode(
-    q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, num_ctas
-):
+def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
   qp = q.astype(jnp.bfloat16)
@@ -150,11 +146,8 @@ def _sparse_mla_decode(
       interpret=interpret,
       out_dtype=q.dtype,
       q_regs=q_regs,
-      num_ctas=num_ctas,
   )
-  # What a -1 copies into its tile row ("multiply": all but a tile's first).
-  zero_row = jnp.zeros((1, _kernel.HEAD_DIM), jnp.bfloat16)
-  o, lse = call(qp, rows, indices, zero_row)
+  o, lse = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, hp, 512], [b, hp]
     return o[:, :heads], lse[:, :heads]
   # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32. In
