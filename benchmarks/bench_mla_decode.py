@@ -169,7 +169,7 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
-                  "f16p": dict(partial_dtype=jnp.float16)}
+                  "f16p": dict(partial_dtype=jnp.float16), "mso": dict(stage_merge_out=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -232,7 +232,7 @@ def check_correctness(rng, variant="default"):
 
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
-SAME_RESULT = {"fence": dict(p_fence=True)}
+SAME_RESULT = {"fence": dict(p_fence=True), "mso": dict(stage_merge_out=True)}
 # Knobs that round differently (the partials' O stored in float16, scaled): checked
 # for the same NaNs as the default and outputs within a bf16 ulp of it.
 CLOSE_RESULT = {"f16p": dict(partial_dtype=jnp.float16)}

@@ -6,7 +6,7 @@ against two figures measured in the same run: an XLA gather of the same rows
 fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
-      [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply]
+      [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -78,6 +78,10 @@ def main(argv=None) -> int:
                       "INVALID the fraction of -1 indices, 0)")
   parser.add_argument("--modes", nargs="+", default=["select", "multiply"],
                       choices=["select", "multiply"])
+  parser.add_argument("--stage-out", type=int, nargs="+", default=None, choices=[0, 1],
+                      help="time the kernel with each of these `stage_out` settings (default: "
+                      "the config's); each staged result is compared bitwise with the direct "
+                      "stores' of the same run")
   args = parser.parse_args(argv)
   shapes = [(128, 64, TOPK, 0.0), (128, 128, TOPK, 0.0), (64, 64, TOPK, 0.0),
             (128, 64, TOPK, 0.25)]
@@ -108,17 +112,25 @@ def main(argv=None) -> int:
     t_ceil = _time(ceil, cache, idx)
     t_ref = _time(ref, q, cache, idx)
     q_regs = args.q_regs or [cfg.q_regs]
-    variants = [(mode, qr) for qr in q_regs for mode in args.modes]
-    for mode, qr in variants:
-      vcfg = dataclasses.replace(cfg, q_regs=qr)
+    stage_out = [bool(v) for v in args.stage_out] if args.stage_out else [cfg.stage_out]
+    variants = [(mode, qr, so) for so in stage_out for qr in q_regs for mode in args.modes]
+    outs = {}
+    for mode, qr, so in variants:
+      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so)
       fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: sparse_mla_decode(
           q, c, i, sm_scale=SCALE, mask_mode=mode, config=vcfg))
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
+      outs[mode, qr, so] = (np.asarray(out, np.float32), np.asarray(lse))
+      if so and (mode, qr, False) in outs:
+        same = all((a == b).all() for a, b in zip(outs[mode, qr, so], outs[mode, qr, False]))
+        print(f"b{batch} h{heads} {mode} q_regs {qr}: staged result bit-equal to direct"
+              f" stores: {same}", flush=True)
+        good &= same
       ok &= good
       t = _time(fn, q, cache, idx)
-      rows.append((batch, heads, topk, invalid, f"{mode}/qr{qr}", t * 1e6,
+      rows.append((batch, heads, topk, invalid, f"{mode}/qr{qr}{'/so' if so else ''}", t * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
@@ -133,8 +145,11 @@ def main(argv=None) -> int:
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
   base = _pallas_config(args.splits, 16, 64)
-  for qr in args.q_regs or [base.q_regs]:
-    cfg = dataclasses.replace(base, q_regs=qr)
+  for qr, so in [(qr, bool(so)) for qr in args.q_regs or [base.q_regs]
+                 for so in args.stage_out or [base.stage_out]]:
+    # (A staged result needs one split: the check then runs with one.)
+    cfg = dataclasses.replace(base, q_regs=qr, stage_out=so,
+                              num_splits=1 if so else base.num_splits)
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
     clean, _ = f(cache, "select")
     sel, _ = f(poisoned, "select")
@@ -143,8 +158,8 @@ def main(argv=None) -> int:
     nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
         False] + [True] * 7 + [False] * 8
     ok &= nan_ok
-    print(f"NaN poisoning (q_regs {qr}): select bit-equal to clean and multiply NaN rows as"
-          f" expected: {nan_ok}")
+    print(f"NaN poisoning (q_regs {qr}, stage_out {so}): select bit-equal to clean and"
+          f" multiply NaN rows as expected: {nan_ok}")
 
   print("\nbatch heads  topk invalid mode/q_regs           us     TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")

@@ -1016,3 +1016,42 @@ def test_block_sizes_32_and_128(bs, seq_lens, heads, max_blocks):
   np.testing.assert_allclose(np.asarray(lse), np.asarray(clean_ref[1]), rtol=1e-3, atol=1e-3)
   good = ~nan_rows
   np.testing.assert_allclose(out[good], np.asarray(clean_ref[0], np.float32)[good], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("splits,grouped,sms", [(3, False, 4), (40, False, 8), (20, True, 8)])
+def test_merge_output_staged_in_smem_matches_direct_stores(splits, grouped, sms):
+  """`_mla_decode(stage_merge_out=True)` (the benchmark's A/B): each merge CTA's
+  bf16 output goes out through SMEM by TMA, not from registers. Bit for bit the
+  direct stores' result through the per-split ring (beside rows the kernel
+  finished itself; the two passes past 32 splits, whose second pass is staged)
+  and the grouped pass, clean in "select" and poisoned in "multiply" (NaN
+  rows); and it lowers for CUDA."""
+  from jaxkv.kernels.mla_decode import merge
+  from jaxkv.kernels.mla_decode.wrapper import _mla_decode
+
+  seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS + 9]
+  q, cache, table, lens = _problem(37, seq_lens, 64)
+  config = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=sms)
+  assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2  # a row is cut
+  poisoned, _ = _poison(cache, table, lens)
+  def run(c, select, staged):
+    return _mla_decode(
+        q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens), plan,
+        sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64, q_regs=0,
+        grouped=grouped, stage_merge_out=staged)
+
+  for c, select in ((cache, True), (poisoned, False)):
+    (out, lse), (want, want_lse) = run(c, select, True), run(c, select, False)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+  _assert_close(run(poisoned, True, True), _ref(q, cache, table, lens))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  staged = merge.build_merge(
+      batch=2, num_splits=3, heads_padded=128, dv=512, max_tokens=512,
+      out_dtype=jnp.bfloat16, interpret=None, stage_out=True,
+  )
+  args = (i32(2), i32(2, 4), f32(2, 3, 128, 512), f32(2, 3, 128))
+  text = jax.jit(staged).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text

@@ -35,10 +35,10 @@ def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
   return q, cache, idx
 
 
-def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0):
+def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0, stage_out=True):
   return sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
-      config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs),
+      config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs, stage_out=stage_out),
   )
 
 
@@ -88,6 +88,20 @@ def test_long_index_list(mode):
   out, lse = _run(q, cache, idx, mode, q_regs=192 if mode == "select" else 0)
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
   _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("mode, topk, heads", [("select", 128, 128), ("multiply", 64, 64)])
+def test_result_staged_in_smem_matches_direct_stores(mode, topk, heads):
+  """`stage_out`: the result goes out by TMA from the last tile's stage (stage 1
+  at two tiles, 0 at one): bit for bit the registers' direct stores."""
+  q, cache, idx = _inputs(31, 3, heads, topk, dead_rows=(2,))
+  out, lse = _run(q, cache, idx, mode)
+  direct_out, direct_lse = _run(q, cache, idx, mode, interpret=FAST, stage_out=False)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(direct_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(direct_lse))
+  assert (np.asarray(out[2], np.float32) == 0).all()
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  _check(out[:2], lse[:2], ref_out[:2], ref_lse[:2])
 
 
 def test_nan_poisoning():
@@ -169,6 +183,9 @@ def test_config_validation():
     SparseMLADecodeConfig(implementation="triton")
   with pytest.raises(ValueError, match="q_regs"):
     SparseMLADecodeConfig(q_regs=32)
+  # (The suite's runtime type checks answer first, with a TypeError.)
+  with pytest.raises((TypeError, ValueError), match="stage_out"):
+    SparseMLADecodeConfig(stage_out=1)
 
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])
@@ -201,9 +218,11 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "select, splits, heads, q_regs", [(True, 1, 64, 0), (False, 2, 128, 0), (True, 1, 128, 128)]
+    "select, splits, heads, q_regs, stage_out",
+    [(True, 1, 64, 0, False), (False, 2, 128, 0, False), (True, 1, 128, 128, False),
+     (False, 1, 128, 128, True)],
 )
-def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs):
+def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_out):
   """The compiled kernel's own path (the per-thread cp.async gather, the stage
   mbarriers, "multiply"'s warp reduction) exists only for the GPU, where the
   interpreter cannot run it: lowering it for CUDA here catches a broken body on a
@@ -213,7 +232,8 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs):
   batch, topk = 2, 64 * splits
   call = K.build_kernel(
       batch=batch, heads_padded=heads, topk=topk, num_splits=splits, sm_scale=SCALE,
-      select=select, interpret=None, q_regs=q_regs,
+      select=select, interpret=None, q_regs=q_regs, stage_out=stage_out,
+      out_dtype=jnp.bfloat16,
   )
   args = (
       jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),

@@ -198,7 +198,7 @@ def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
-    group: bool = False, partial_dtype=jnp.float32,
+    group: bool = False, partial_dtype=jnp.float32, stage_out: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`
@@ -238,6 +238,10 @@ def build_merge(
   partial_dtype=)`), which then comes with its scale after lse (`[batch,
   num_splits, 2, heads_padded]`, grouped `[batch, heads_padded / 64, 2,
   num_splits, 64]`): each split's O is o times its scale, summed in float32.
+
+  `stage_out`: a 16-bit out goes through SMEM and a TMA copy (each CTA's
+  `[64, cols]` in whole rows) instead of from registers, where a warp's
+  store covers half of each 32-byte sector it touches.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -254,8 +258,11 @@ def build_merge(
 
   assert partial_dtype in (jnp.float32, jnp.float16), partial_dtype
   scaled = partial_dtype == jnp.float16
+  stage_out = stage_out and jnp.dtype(out_dtype).itemsize == 2
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, *refs):
+    if stage_out:
+      *refs, out_buf = refs
     if scaled:
       scale_ref, out_ref, lse_out_ref, o_buf, lse_buf, s_buf, bar = refs
     else:
@@ -290,11 +297,21 @@ def build_merge(
       acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
                       scales=scales)
       o, lse = softmax_finish(acc, m, l)
-      row_out[heads, chans] = o.astype(out_dtype)
+      if stage_out:
+        out_buf[...] = o.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_buf, row_out.at[heads, chans])
+      else:
+        row_out[heads, chans] = o.astype(out_dtype)
 
       @pl.when(c == 0)
       def _():
         row_lse[heads] = lse
+
+      if stage_out:
+        # SMEM must outlive the copy's reads only: its writes land before
+        # the kernel completes.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     if finish_rows:
       pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))(run)
@@ -433,6 +450,8 @@ def build_merge(
         *([plgpu.SMEM((stages, HEAD_TILE), jnp.float32)] if scaled else []),
         plgpu.Barrier(num_arrivals=3 if scaled else 2, num_barriers=stages),
     ]
+  if stage_out:
+    scratch.append(plgpu.SMEM((HEAD_TILE, cols), out_dtype))
   per_row = () if chunk is None else (chunks,)
   outputs = (
       jax.ShapeDtypeStruct((batch, *per_row, heads_padded, dv), out_dtype),

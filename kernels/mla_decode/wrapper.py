@@ -138,10 +138,11 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "p_fence", "partial_dtype"))
+                              "group_cols", "finish", "p_fence", "partial_dtype",
+                              "stage_merge_out"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                partial_dtype=jnp.float32):
+                partial_dtype=jnp.float32, stage_merge_out=False):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -202,7 +203,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
         num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows,
-        edge_chunk=chunk, **merge_args
+        edge_chunk=chunk, stage_out=stage_merge_out, **merge_args
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
     return out[:, :heads], lse_out[:, :heads]
@@ -210,7 +211,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # never the unwritten rest, and writes the rows the kernel did not.
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      partial_dtype=partial_dtype, **tiling, **merge_args
+      partial_dtype=partial_dtype, stage_out=stage_merge_out, **tiling, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return out[:, :heads], lse_out[:, :heads]

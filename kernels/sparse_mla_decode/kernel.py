@@ -110,6 +110,7 @@ def build_kernel(
     interpret,
     out_dtype=jnp.float32,
     q_regs: int = 0,
+    stage_out: bool = False,
 ):
   """Builds the kernel call.
 
@@ -125,6 +126,12 @@ def build_kernel(
 
   `q_regs`: the query's latent channels each consumer holds in registers for
   its QK, as in dense decode (`mla_decode.kernel.build_kernel`).
+
+  `stage_out`: with one split and a bf16 result, each consumer writes its
+  half of the result into its value half of the last tile's stage (free by
+  then: both QKs and its own PV read it before) and stores it by TMA, in
+  whole 64-byte rows, instead of from registers (two bf16 per thread and
+  row: 16 of a 32-byte sector per warp store).
   """
   assert topk % (TILE * num_splits) == 0
   check_choice("q_regs", q_regs, Q_REGS)
@@ -134,6 +141,8 @@ def build_kernel(
   compiled = interpret is None
   bf16 = bf16_tile()
   direct = num_splits == 1  # no merge: the kernel writes the result
+  stage_out = stage_out and direct and out_dtype == jnp.bfloat16
+  last_stage = (num_tiles - 1) % NUM_STAGES
 
   def sparse_mla_decode_kernel(
       q_ref,  # [batch, heads_padded, 576] bf16, GMEM
@@ -326,7 +335,19 @@ def build_kernel(
           # The row's result, as `combine_splits` of one split gives it: 0
           # where no index is valid (also where "multiply" met NaN there).
           has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
-          o_ref[b, heads, cols] = jnp.where(has, o, 0.0).astype(out_dtype)
+          res = jnp.where(has, o, 0.0).astype(out_dtype)
+          if stage_out:
+            # Our value half of the last stage: the other consumer's QK of
+            # that tile (the only other reader) was done before its P came.
+            buf = k_lat.at[last_stage, wg]
+            buf[...] = res
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf, o_ref.at[b, heads, cols])
+            # SMEM must outlive the copy's reads only: its writes land before
+            # the kernel completes.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          else:
+            o_ref[b, heads, cols] = res
           if wg == 0:
             lse_ref[b, heads] = lse
         else:

@@ -87,6 +87,7 @@ def sparse_mla_decode(
         num_splits=config.num_splits,
         interpret=interpret,
         q_regs=config.q_regs,
+        stage_out=config.stage_out,
     )
 
 
@@ -127,9 +128,12 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs")
+    jax.jit,
+    static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out"),
 )
-def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs):
+def _sparse_mla_decode(
+    q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out
+):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
   qp = q.astype(jnp.bfloat16)
@@ -146,6 +150,7 @@ def _sparse_mla_decode(q, cache, indices, *, sm_scale, select, num_splits, inter
       interpret=interpret,
       out_dtype=q.dtype,
       q_regs=q_regs,
+      stage_out=stage_out,
   )
   o, lse = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, hp, 512], [b, hp]
