@@ -1020,9 +1020,9 @@ def test_block_sizes_32_and_128(bs, seq_lens, heads, max_blocks):
 
 @pytest.mark.parametrize("splits,grouped,sms", [(3, False, 4), (40, False, 8), (20, True, 8)])
 def test_merge_output_staged_in_smem_matches_direct_stores(splits, grouped, sms):
-  """`_mla_decode(stage_merge_out=True)` (the benchmark's A/B): each merge CTA's
-  bf16 output goes out through SMEM by TMA, not from registers. Bit for bit the
-  direct stores' result through the per-split ring (beside rows the kernel
+  """`_mla_decode(stage_merge_out=True)` (the default; False is the benchmark's
+  ":mdirect"): each merge CTA's bf16 output goes out through SMEM by TMA, not
+  from registers. Bit for bit the direct stores' result through the per-split ring (beside rows the kernel
   finished itself; the two passes past 32 splits, whose second pass is staged)
   and the grouped pass, clean in "select" and poisoned in "multiply" (NaN
   rows); and it lowers for CUDA."""

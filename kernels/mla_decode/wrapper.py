@@ -142,7 +142,7 @@ def mla_decode(
                               "stage_merge_out"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                partial_dtype=jnp.float32, stage_merge_out=False):
+                partial_dtype=jnp.float32, stage_merge_out=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -208,7 +208,9 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
     return out[:, :heads], lse_out[:, :heads]
   # A row's live splits are its first ones; the merge reads those alone,
-  # never the unwritten rest, and writes the rows the kernel did not.
+  # never the unwritten rest, and writes the rows the kernel did not: by TMA
+  # from SMEM (`stage_merge_out`; from registers, its bf16 stores cost the
+  # merge 2-3.4 µs more at batch 128 on the H200, NOTES.md).
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       partial_dtype=partial_dtype, stage_out=stage_merge_out, **tiling, **merge_args
