@@ -121,6 +121,7 @@ def build_kernel(
     p_fence: bool | None = None,
     tile_regions: bool = True,
     partial_dtype=jnp.float32,
+    stage_rows: bool = False,
 ):
   """Builds the kernel call.
 
@@ -184,6 +185,13 @@ def build_kernel(
   num_splits, 2, heads_padded]` f32 by channel half (with `partial_cols`,
   `[batch, heads_padded / 64, 2, num_splits, 64]`), written with o.
 
+  `stage_rows` (with `finish_rows`): each consumer writes its half of a
+  finished row's bf16 result into its value half of the segment's last stage
+  and stores it by TMA in whole rows, instead of from registers (two bf16 per
+  thread and row fill half of each 32-byte sector a warp store touches); that
+  stage then goes back to the producer once the copy has read it, not after
+  the tile.
+
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
   SMEM under the 64-byte swizzle and in the interpreter, which needs the
@@ -197,6 +205,7 @@ def build_kernel(
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   assert partial_dtype in (jnp.float32, jnp.float16), partial_dtype
   scaled = partial_dtype == jnp.float16
+  stage_rows = stage_rows and finish_rows
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
@@ -377,9 +386,10 @@ def build_kernel(
               v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
           plgpu.commit_smem()  # the wgmmas below read the cleaned rows
 
-        def tile(i, carry, slot, *, row, lo, q_rope, q_head, last: bool):
+        def tile(i, carry, slot, *, row, lo, q_rope, q_head, last: bool, whole=None):
           """One 64-slot tile: our half's scores (masked in a segment's last
-          tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
+          tile), then `seesaw_tile`. `carry` is (acc, m, l). With
+          `stage_rows`, a whole row's last stage is released by `finish`."""
           acc, m_i, l_i = carry
           with region_scope(tile_regions)("qk"):
             s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own, q_head=q_head)
@@ -418,7 +428,10 @@ def build_kernel(
               clean=functools.partial(clean_values, slot, n_keep) if clean else None,
               whole_pv=whole_pv, fence=fence_all or last, regions=tile_regions,
           )
-          plgpu.barrier_arrive(free_bar.at[slot])
+          if last and stage_rows:
+            pl.when(~whole)(lambda: plgpu.barrier_arrive(free_bar.at[slot]))
+          else:
+            plgpu.barrier_arrive(free_bar.at[slot])
           if last:
             # The segment's last QK and PV are done: the producer may load
             # the next segment's query.
@@ -446,18 +459,19 @@ def build_kernel(
               with jax.named_scope("kv_wait"):
                 plgpu.barrier_wait(kv_bar.at[slot])
               with jax.named_scope("last_tile" if last else "tile"):
-                return tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, q_head=q_head, last=last)
+                return tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, q_head=q_head,
+                            last=last, whole=whole)
 
             carry = lax.fori_loop(
                 0, n - 1, functools.partial(step, last=False), softmax_start(HALF)
             )
             acc, m_i, l_own = step(n - 1, carry, last=True)
             with jax.named_scope("epilogue"):
-              finish(row, split, whole, acc, m_i, l_own)
+              finish(row, split, whole, acc, m_i, l_own, lax.rem(steps + n - 1, NUM_STAGES))
 
           return steps + n
 
-        def finish(row, split, whole, acc, m_i, l_own):
+        def finish(row, split, whole, acc, m_i, l_own, slot):
           # The exchange rows serve the next segment's maxima too.
           with jax.named_scope("row_sums"):
             l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
@@ -494,9 +508,21 @@ def build_kernel(
           def _():
             # The row's result: no f32 partial, no merge.
             out_ref, lse_out_ref = finished
-            out_ref[row, heads, cols] = o.astype(dtype)
+            if stage_rows:
+              # Our value half of the last stage: the other consumer's QK of
+              # that tile (its only other reader) was done before its P came.
+              buf = k_lat.at[slot, wg]
+              buf[...] = o.astype(dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(buf, out_ref.at[row, heads, cols])
+            else:
+              out_ref[row, heads, cols] = o.astype(dtype)
             if wg == 0:
               lse_out_ref[row, heads] = lse
+            if stage_rows:
+              # The producer may refill the stage once the copy has read it.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              plgpu.barrier_arrive(free_bar.at[slot])
 
           pl.when(~whole)(partial)
 
