@@ -41,7 +41,8 @@ partial result (float32, normalised, with its natural-log LSE), which the
 merge combines with the row's other splits into the output. Where the plan's
 parts are longer than its rows (`finish_rows`), a segment that covers its
 whole row (the row's only split) is the row's result instead: it goes to the
-output in bf16 with its LSE, and the merge does not touch it.
+output in bf16 with its LSE (from registers, or by TMA from its last stage
+with `stage_rows`), and the merge does not touch it.
 Splits that no segment produced are never written: the plan's bounds say
 which exist.
 """

@@ -33,10 +33,14 @@ accumulator (0 * NaN = NaN) and poisons the row exactly as in production
 kernels, which read it for every -1 (once or many times, 0 * NaN is NaN and
 0 * finite adds +0), without every CTA of the step reading one hot row.
 
-The result (one split) or each split's partial result is stored from
-registers to GMEM, normalised, with its natural-log LSE; a split without a
-valid index writes LSE = -inf and O = 0 (a partial: NaN if "multiply"
-accumulated a NaN value row, which the merge never uses).
+The result (one split) or each split's partial result is stored to GMEM,
+normalised, with its natural-log LSE; a split without a valid index writes
+LSE = -inf and O = 0 (a partial: NaN if "multiply" accumulated a NaN value
+row, which the merge never uses). A bf16 result goes out by TMA from the
+last tile's stage (`stage_out`): from registers, two bf16 values per thread
+and row fill half of each 32-byte sector a warp store touches, which cost the
+kernel 4-5.5% at batch 128 on the H200. The f32 partials (two per thread and
+row: whole sectors) are stored from registers.
 """
 
 from __future__ import annotations
