@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel import _LOG2E, HALF, HEAD_TILE, TILE, softmax_finish, softmax_start
+from .kernel import _LOG2E, HALF, HEAD_TILE, TILE, softmax_finish, softmax_start, stage_store
 
 # Value channels per CTA and at most this many splits in flight per CTA (16 KB
 # each; no more than a plan's splits per row), for rows of few splits;
@@ -300,9 +300,7 @@ def build_merge(
                       scales=scales)
       o, lse = softmax_finish(acc, m, l)
       if stage_out:
-        out_buf[...] = o.astype(out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_buf, row_out.at[heads, chans])
+        stage_store(out_buf, o.astype(out_dtype), row_out.at[heads, chans])
       else:
         row_out[heads, chans] = o.astype(out_dtype)
 
@@ -311,8 +309,6 @@ def build_merge(
         row_lse[heads] = lse
 
       if stage_out:
-        # SMEM must outlive the copy's reads only: its writes land before
-        # the kernel completes.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     if finish_rows:

@@ -76,6 +76,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     softmax_finish,
     softmax_start,
     split_outputs,
+    stage_store,
     tile_scores,
 )
 from jaxkv.kernels.sparse_mla_decode.config import TILE
@@ -343,12 +344,7 @@ def build_kernel(
           if stage_out:
             # Our value half of the last stage: the other consumer's QK of
             # that tile (the only other reader) was done before its P came.
-            buf = k_lat.at[last_stage, wg]
-            buf[...] = res
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(buf, o_ref.at[b, heads, cols])
-            # SMEM must outlive the copy's reads only: its writes land before
-            # the kernel completes.
+            stage_store(k_lat.at[last_stage, wg], res, o_ref.at[b, heads, cols])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           else:
             o_ref[b, heads, cols] = res
