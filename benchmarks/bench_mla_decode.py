@@ -14,8 +14,8 @@ decode kernel finish whole rows, ":fence" fences every P hand-off (the
 on-device check then also compares it bitwise with the default), ":f16p"
 stores the partials' O in float16, scaled per row and channel half (checked
 for the default's NaNs and LSE and within 4e-3 of it), ":mdirect" stores the
-merge's bf16 output from registers instead of by TMA from SMEM, ":srows" the
-rows the decode kernel finishes itself by TMA (both checked bitwise);
+merge's bf16 output from registers instead of by TMA from SMEM (checked
+bitwise);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -168,13 +168,11 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # private arguments): "ungrouped" merges rows of many splits with the
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
 # "grouped" takes the grouped pass wherever a row has more than 8 splits,
-# "mdirect" stores the merge's bf16 output from registers, not by TMA,
-# "srows" the rows the decode kernel finishes by TMA, not from registers.
+# "mdirect" stores the merge's bf16 output from registers, not by TMA.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
-                  "f16p": dict(partial_dtype=jnp.float16), "mdirect": dict(stage_merge_out=False),
-                  "srows": dict(stage_rows=True)}
+                  "f16p": dict(partial_dtype=jnp.float16), "mdirect": dict(stage_merge_out=False)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -237,8 +235,7 @@ def check_correctness(rng, variant="default"):
 
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
-SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False),
-               "srows": dict(stage_rows=True)}
+SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False)}
 # Knobs that round differently (the partials' O stored in float16, scaled): checked
 # for the same NaNs as the default and outputs within a bf16 ulp of it.
 CLOSE_RESULT = {"f16p": dict(partial_dtype=jnp.float16)}

@@ -343,14 +343,12 @@ def test_profiler_needs_a_compiled_kernel():
 
 
 @pytest.mark.parametrize(
-    "block_size, select, finish_rows, kv_swizzle, q_regs, stage_rows",
-    [(64, True, True, 64, 0, False), (32, False, False, 64, 128, False),
-     (128, True, False, 64, 64, False), (64, False, True, 128, 0, True),
-     (32, True, False, 128, 64, False), (128, False, False, 128, 128, False),
-     (64, True, True, 64, 192, True)],
+    "block_size, select, finish_rows, kv_swizzle, q_regs",
+    [(64, True, True, 64, 0), (32, False, False, 64, 128), (128, True, False, 64, 64),
+     (64, False, True, 128, 0), (32, True, False, 128, 64), (128, False, False, 128, 128),
+     (64, True, True, 64, 192)],
 )
-def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_swizzle, q_regs,
-                                           stage_rows):
+def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_swizzle, q_regs):
   """The compiled kernels' own paths (the RoPE query in registers, the seeded
   accumulator) exist only for the GPU, where the interpreter cannot run them:
   lowering the decode and merge kernels for CUDA here catches a broken body on a
@@ -361,7 +359,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits,
       block_size=block_size, sm_scale=SCALE, select=select, interpret=None,
-      finish_rows=finish_rows, kv_swizzle=kv_swizzle, q_regs=q_regs, stage_rows=stage_rows,
+      finish_rows=finish_rows, kv_swizzle=kv_swizzle, q_regs=q_regs,
   )
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   args = (
@@ -796,42 +794,6 @@ def test_float16_partials_are_the_float32_ones_scaled_and_rounded(partial_cols):
   (a, la), (b, lb) = merged(jnp.float16, o, sc), merged(jnp.float32, o_back)
   np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
   np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
-
-
-@pytest.mark.parametrize("heads, kv_swizzle, select", [(64, 128, True), (128, 64, False)])
-def test_finished_rows_staged_in_smem_match_direct_stores(heads, kv_swizzle, select):
-  """`build_kernel(stage_rows=True)`: a row the kernel finishes goes out by TMA
-  from the segment's last stage, which goes back to the producer only after
-  the copy read it (the next segment's tiles refill it). Every output, written
-  or left unwritten (NaN), is bit for bit the direct stores' (race detector
-  on for the staged build)."""
-  from jaxkv.kernels.mla_decode import kernel
-
-  seq_lens = [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS, BS]
-  q, cache, table, lens = _problem(13, seq_lens, heads)
-  config = MLADecodeConfig(num_splits=3, ctas_per_sm=1, min_chunk_blocks=1, split_overhead_tiles=0)
-  plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, config=config, num_sms=4)
-  segs = [seg for part in _segments(plan, seq_lens) for seg in part]
-  nblk = -(-np.asarray(seq_lens) // BS)
-  whole = [any(r == row and lo == 0 and n == nblk[row] for r, lo, n, _ in segs)
-           for row in range(len(seq_lens))]
-  assert sum(whole) >= 3 and not all(whole), whole  # rows finished beside cut ones
-
-  def run(staged, params):
-    call = kernel.build_kernel(
-        batch=len(seq_lens), heads_padded=heads, num_parts=plan.num_parts,
-        num_splits=plan.num_splits, block_size=BS, sm_scale=SCALE, select=select,
-        interpret=params, finish_rows=True, kv_swizzle=kv_swizzle, stage_rows=staged,
-    )
-    return call(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
-                plan.row_start, plan.part_rows, plan.part_start, plan.row_part)
-
-  staged = run(True, plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan"))
-  direct = run(False, plgpu.InterpretGPUParams(uninitialized_memory="nan"))
-  for a, b in zip(staged, direct):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  out = np.asarray(staged[2], np.float32)
-  assert np.isfinite(out[np.asarray(whole)]).all()
 
 
 def test_kernel_finishes_whole_rows_and_leaves_cut_rows_to_the_merge():

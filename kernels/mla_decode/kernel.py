@@ -41,8 +41,7 @@ partial result (float32, normalised, with its natural-log LSE), which the
 merge combines with the row's other splits into the output. Where the plan's
 parts are longer than its rows (`finish_rows`), a segment that covers its
 whole row (the row's only split) is the row's result instead: it goes to the
-output in bf16 with its LSE (from registers, or by TMA from its last stage
-with `stage_rows`), and the merge does not touch it.
+output in bf16 with its LSE (from registers), and the merge does not touch it.
 Splits that no segment produced are never written: the plan's bounds say
 which exist.
 """
@@ -122,7 +121,6 @@ def build_kernel(
     p_fence: bool | None = None,
     tile_regions: bool = True,
     partial_dtype=jnp.float32,
-    stage_rows: bool = False,
 ):
   """Builds the kernel call.
 
@@ -186,13 +184,6 @@ def build_kernel(
   num_splits, 2, heads_padded]` f32 by channel half (with `partial_cols`,
   `[batch, heads_padded / 64, 2, num_splits, 64]`), written with o.
 
-  `stage_rows` (with `finish_rows`): each consumer writes its half of a
-  finished row's bf16 result into its value half of the segment's last stage
-  and stores it by TMA in whole rows, instead of from registers (two bf16 per
-  thread and row fill half of each 32-byte sector a warp store touches); that
-  stage then goes back to the producer once the copy has read it, not after
-  the tile.
-
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
   SMEM under the 64-byte swizzle and in the interpreter, which needs the
@@ -206,7 +197,6 @@ def build_kernel(
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   assert partial_dtype in (jnp.float32, jnp.float16), partial_dtype
   scaled = partial_dtype == jnp.float16
-  stage_rows = stage_rows and finish_rows
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
@@ -387,10 +377,9 @@ def build_kernel(
               v_ref[...] = jnp.where(r < n_keep, v, jnp.zeros_like(v))
           plgpu.commit_smem()  # the wgmmas below read the cleaned rows
 
-        def tile(i, carry, slot, *, row, lo, q_rope, q_head, last: bool, whole=None):
+        def tile(i, carry, slot, *, row, lo, q_rope, q_head, last: bool):
           """One 64-slot tile: our half's scores (masked in a segment's last
-          tile), then `seesaw_tile`. `carry` is (acc, m, l). With
-          `stage_rows`, a whole row's last stage is released by `finish`."""
+          tile), then `seesaw_tile`. `carry` is (acc, m, l)."""
           acc, m_i, l_i = carry
           with region_scope(tile_regions)("qk"):
             s = tile_scores(q_lat, q_rope, k_lat, k_rope, slot, own, q_head=q_head)
@@ -429,10 +418,7 @@ def build_kernel(
               clean=functools.partial(clean_values, slot, n_keep) if clean else None,
               whole_pv=whole_pv, fence=fence_all or last, regions=tile_regions,
           )
-          if last and stage_rows:
-            pl.when(~whole)(lambda: plgpu.barrier_arrive(free_bar.at[slot]))
-          else:
-            plgpu.barrier_arrive(free_bar.at[slot])
+          plgpu.barrier_arrive(free_bar.at[slot])
           if last:
             # The segment's last QK and PV are done: the producer may load
             # the next segment's query.
@@ -460,19 +446,18 @@ def build_kernel(
               with jax.named_scope("kv_wait"):
                 plgpu.barrier_wait(kv_bar.at[slot])
               with jax.named_scope("last_tile" if last else "tile"):
-                return tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, q_head=q_head,
-                            last=last, whole=whole)
+                return tile(i, carry, slot, row=row, lo=lo, q_rope=q_rope, q_head=q_head, last=last)
 
             carry = lax.fori_loop(
                 0, n - 1, functools.partial(step, last=False), softmax_start(HALF)
             )
             acc, m_i, l_own = step(n - 1, carry, last=True)
             with jax.named_scope("epilogue"):
-              finish(row, split, whole, acc, m_i, l_own, lax.rem(steps + n - 1, NUM_STAGES))
+              finish(row, split, whole, acc, m_i, l_own)
 
           return steps + n
 
-        def finish(row, split, whole, acc, m_i, l_own, slot):
+        def finish(row, split, whole, acc, m_i, l_own):
           # The exchange rows serve the next segment's maxima too.
           with jax.named_scope("row_sums"):
             l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
@@ -509,18 +494,9 @@ def build_kernel(
           def _():
             # The row's result: no f32 partial, no merge.
             out_ref, lse_out_ref = finished
-            if stage_rows:
-              # Our value half of the last stage: the other consumer's QK of
-              # that tile (its only other reader) was done before its P came.
-              stage_store(k_lat.at[slot, wg], o.astype(dtype), out_ref.at[row, heads, cols])
-            else:
-              out_ref[row, heads, cols] = o.astype(dtype)
+            out_ref[row, heads, cols] = o.astype(dtype)
             if wg == 0:
               lse_out_ref[row, heads] = lse
-            if stage_rows:
-              # The producer may refill the stage once the copy has read it.
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              plgpu.barrier_arrive(free_bar.at[slot])
 
           pl.when(~whole)(partial)
 

@@ -139,10 +139,10 @@ def mla_decode(
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "partial_dtype",
-                              "stage_merge_out", "stage_rows"))
+                              "stage_merge_out"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                partial_dtype=jnp.float32, stage_merge_out=True, stage_rows=False):
+                partial_dtype=jnp.float32, stage_merge_out=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -174,14 +174,13 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols)
     tiling = dict(cols=cols, stages=stages)
   # `partial_dtype` (the benchmark's A/B for now): float16 partials, scaled
-  # per row and channel half, halve the partials' bytes. `stage_rows` (its
-  # A/B too, not yet timed): rows the kernel finishes go out by TMA.
+  # per row and channel half, halve the partials' bytes.
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
       q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence,
-      partial_dtype=partial_dtype, stage_rows=stage_rows,
+      partial_dtype=partial_dtype,
   )
   o, lse, *rest = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
