@@ -120,7 +120,6 @@ def build_kernel(
     partial_cols: int | None = None,
     p_fence: bool | None = None,
     tile_regions: bool = True,
-    partial_dtype=jnp.float32,
 ):
   """Builds the kernel call.
 
@@ -177,13 +176,6 @@ def build_kernel(
   num_splits, 64]` (`split_outputs`), so that what one merge CTA reads is
   one contiguous run of GMEM each.
 
-  `partial_dtype`: the dtype the partials' O is stored in: float32, or
-  float16 (half the bytes), scaled per row and warpgroup half so that no
-  value overflows it (`scaled_half`): o then holds O / scale, and a third
-  output, scale, the power of two that multiplies it back: `[batch,
-  num_splits, 2, heads_padded]` f32 by channel half (with `partial_cols`,
-  `[batch, heads_padded / 64, 2, num_splits, 64]`), written with o.
-
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
   SMEM under the 64-byte swizzle and in the interpreter, which needs the
@@ -195,8 +187,6 @@ def build_kernel(
   """
   assert block_size in BLOCK_SIZES
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
-  assert partial_dtype in (jnp.float32, jnp.float16), partial_dtype
-  scaled = partial_dtype == jnp.float16
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
@@ -223,11 +213,9 @@ def build_kernel(
       row_part_ref,  # [batch] int32, GMEM
       o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM (or split_outputs' wide layout)
       lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM (or split_outputs' wide layout)
-      *rest,  # with float16 partials, their scale (see above); with
-      # finish_rows: out [batch, heads_padded, 512] bf16 and lse_out [batch,
-      # heads_padded] f32, GMEM: the rows finished here
+      *finished,  # with finish_rows: out [batch, heads_padded, 512] bf16 and
+      # lse_out [batch, heads_padded] f32, GMEM: the rows finished here
   ):
-    scale_ref, finished = (rest[0], rest[1:]) if scaled else (None, rest)
     g = lax.axis_index("g")
     part = lax.axis_index("p")
     # A stale or foreign plan must not walk past a row's own blocks, the
@@ -466,20 +454,12 @@ def build_kernel(
 
           @jax.named_scope("store")
           def partial():
-            part = o
-            if scaled:
-              part, scale = scaled_half(o)
-              if partial_cols is None:
-                scale_ref[row, split, wg, heads] = scale
-              else:
-                scale_ref[row, g, wg, split] = scale
             if partial_cols is None:
-              o_ref[row, split, heads, cols] = part.astype(partial_dtype)
+              o_ref[row, split, heads, cols] = o
             else:  # this half's channels, partial_cols at a time
               per = HALF // partial_cols
               for k in range(per):
-                o_ref[row, wg * per + k, g, split] = (
-                    part[:, k * partial_cols:(k + 1) * partial_cols].astype(partial_dtype))
+                o_ref[row, wg * per + k, g, split] = o[:, k * partial_cols:(k + 1) * partial_cols]
             if wg == 0:
               if partial_cols is None:
                 lse_ref[row, split, heads] = lse
@@ -535,7 +515,7 @@ def build_kernel(
       grid=(num_parts, heads_padded // HEAD_TILE),
       grid_names=("p", "g"),
       out_type=(
-          *split_outputs(batch, num_splits, heads_padded, partial_cols, partial_dtype),
+          *split_outputs(batch, num_splits, heads_padded, partial_cols),
           *([jax.ShapeDtypeStruct((batch, heads_padded, LATENT), dtype),
              jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32)] if finish_rows else []),
       ),
@@ -868,22 +848,6 @@ def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
   return l
 
 
-def scaled_half(o):
-  """A float32 `[64, n]` partial as `(o / scale, scale)`: scale (`[64]`,
-  one per row) is the least power of two at or above the row's largest
-  finite |o| (1 for a row of zeros; within [2^-126, 2^126]), so o / scale is
-  within [-1, 1] where finite (within [-4, 4] past 2^126), exact before its
-  cast to float16, and NaN or infinite where o is. Powers of two by their
-  bits: `approx_math` would not keep exp2 or a division exact."""
-  mag = jnp.where(jnp.abs(o) < jnp.inf, jnp.abs(o), 0.0).max(axis=1)
-  bits = lax.bitcast_convert_type(mag, jnp.int32)
-  # Any mantissa carries into the exponent: rounds up to a power of two.
-  up = jnp.clip((bits + 0x007FFFFF) & 0x7F800000, 0x00800000, 0x7E800000)
-  up = jnp.where(mag > 0.0, up, 0x3F800000)
-  inv = lax.bitcast_convert_type(0x7F000000 - up, jnp.float32)  # 2^-e for 2^e
-  return o * lax.broadcast_in_dim(inv, o.shape, [0]), lax.bitcast_convert_type(up, jnp.float32)
-
-
 def stage_store(buf, value, dst):
   """Stores a 16-bit `value` to GMEM `dst` through SMEM `buf` by one TMA copy.
 
@@ -901,14 +865,13 @@ def stage_store(buf, value, dst):
   plgpu.copy_smem_to_gmem(buf, dst)
 
 
-def split_outputs(batch, num_splits, heads_padded, partial_cols=None, dtype=jnp.float32):
-  """Each split's normalised partial O (in `dtype`) and its LSE (float32): O
+def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
+  """Each split's normalised partial O and its LSE, float32: O
   `[batch, num_splits, heads_padded, 512]` and LSE `[batch, num_splits,
   heads_padded]`, or with `partial_cols` O `[batch, 512 / partial_cols,
   heads_padded / 64, num_splits, 64, partial_cols]` and LSE `[batch,
   heads_padded / 64, num_splits, 64]` (`merge.wide_partials` of the first
-  two); with float16, also each split's scale by channel half
-  (`build_kernel(partial_dtype=)`)."""
+  two)."""
   groups = heads_padded // HEAD_TILE
   if partial_cols is None:
     o_shape = (batch, num_splits, heads_padded, LATENT)
@@ -916,18 +879,10 @@ def split_outputs(batch, num_splits, heads_padded, partial_cols=None, dtype=jnp.
   else:
     o_shape = (batch, LATENT // partial_cols, groups, num_splits, HEAD_TILE, partial_cols)
     lse_shape = (batch, groups, num_splits, HEAD_TILE)
-  outs = (
-      jax.ShapeDtypeStruct(o_shape, dtype),
+  return (
+      jax.ShapeDtypeStruct(o_shape, jnp.float32),
       jax.ShapeDtypeStruct(lse_shape, jnp.float32),
   )
-  if dtype == jnp.float32:
-    return outs
-  # float16: each split's scale by channel half (`build_kernel(partial_dtype=)`).
-  if partial_cols is None:
-    scale_shape = (batch, num_splits, 2, heads_padded)
-  else:
-    scale_shape = (batch, groups, 2, num_splits, HEAD_TILE)
-  return (*outs, jax.ShapeDtypeStruct(scale_shape, jnp.float32))
 
 
 def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None):

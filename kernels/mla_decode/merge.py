@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel import _LOG2E, HALF, HEAD_TILE, TILE, softmax_finish, softmax_start, stage_store
+from .kernel import _LOG2E, HEAD_TILE, TILE, softmax_finish, softmax_start, stage_store
 
 # Value channels per CTA and at most this many splits in flight per CTA (16 KB
 # each; no more than a plan's splits per row), for rows of few splits;
@@ -200,11 +200,10 @@ def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
-    group: bool = False, partial_dtype=jnp.float32, stage_out: bool = False,
+    group: bool = False, stage_out: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
-  `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`
-  (float16 partials: their scale after lse).
+  `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
 
   seq_lens `[batch]` int32 (clipped here to `[0, max_tokens]`) and bounds
   `[batch, num_splits + 1]` int32 (the plan's, clipped here to the row's
@@ -236,11 +235,6 @@ def build_merge(
   are weighted by the row's LSE maximum taken first (`grouped_tiling` when
   cols / stages are None; stages then counts groups in flight).
 
-  `partial_dtype`: o's dtype: float32, or float16 scaled (`build_kernel(
-  partial_dtype=)`), which then comes with its scale after lse (`[batch,
-  num_splits, 2, heads_padded]`, grouped `[batch, heads_padded / 64, 2,
-  num_splits, 64]`): each split's O is o times its scale, summed in float32.
-
   `stage_out`: a 16-bit out goes through SMEM and a TMA copy (each CTA's
   `[64, cols]` in whole rows) instead of from registers, where a warp's
   store covers half of each 32-byte sector it touches.
@@ -258,17 +252,12 @@ def build_merge(
   assert not group or (chunk is None and edge_chunk is None and can_group(num_splits))
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
-  assert partial_dtype in (jnp.float32, jnp.float16), partial_dtype
-  scaled = partial_dtype == jnp.float16
   stage_out = stage_out and jnp.dtype(out_dtype).itemsize == 2
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, *refs):
     if stage_out:
       *refs, out_buf = refs
-    if scaled:
-      scale_ref, out_ref, lse_out_ref, o_buf, lse_buf, s_buf, bar = refs
-    else:
-      (out_ref, lse_out_ref, o_buf, lse_buf, bar), scale_ref, s_buf = refs, None, None
+    out_ref, lse_out_ref, o_buf, lse_buf, bar = refs
     b = lax.axis_index("b")
     ntiles = (jnp.clip(seq_ref[b], 0, max_tokens) + TILE - 1) // TILE
     if chunk is None:
@@ -293,11 +282,7 @@ def build_merge(
       chans = pl.ds(c * cols, cols)
       n = live_splits(bound, span)  # the row's first n splits are its live ones
       row = merge_row_grouped if group else merge_row
-      # float16 partials: the channel half these channels are in picks the
-      # split's scale.
-      scales = None if scale_ref is None else (scale_ref, s_buf, lax.div(c * cols, HALF))
-      acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
-                      scales=scales)
+      acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar)
       o, lse = softmax_finish(acc, m, l)
       if stage_out:
         stage_store(out_buf, o.astype(out_dtype), row_out.at[heads, chans])
@@ -316,7 +301,7 @@ def build_merge(
     else:
       run()
 
-  def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales):
+  def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
     """`(acc, m, l)` of the row's n live splits, one at a time through a ring."""
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -325,9 +310,6 @@ def build_merge(
       src = first + j
       plgpu.copy_gmem_to_smem(o_ref.at[b, src, heads, chans], o_buf.at[slot], bar.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[b, src, heads], lse_buf.at[slot], bar.at[slot])
-      if scales:
-        scale_ref, s_buf, half = scales
-        plgpu.copy_gmem_to_smem(scale_ref.at[b, src, half, heads], s_buf.at[slot], bar.at[slot])
 
     for k in range(stages):
       pl.when(k < n)(lambda k=k: fetch(k))
@@ -338,9 +320,6 @@ def build_merge(
       plgpu.barrier_wait(bar.at[slot])
       lse_j = plgpu.load(lse_buf.at[slot], layout=row_layout, optimized=False) * _LOG2E
       o_j = plgpu.load(o_buf.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
-      o_j = o_j.astype(jnp.float32)
-      if scales:
-        scale_j = plgpu.load(scales[1].at[slot], layout=row_layout, optimized=False)
       # The slot is refilled at once: every thread's reads are ordered before
       # the copy (Pallas's warpgroup barrier ahead of a TMA issue).
       plgpu.commit_smem()
@@ -348,10 +327,8 @@ def build_merge(
       m_new = jnp.maximum(m, lse_j)
       alpha = jnp.exp2(m - m_new)
       w = jnp.exp2(lse_j - m_new)
-      # A power of two: w * scale_j rounds as o_j * scale_j would.
-      w_o = w * scale_j if scales else w
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o_j * lax.broadcast_in_dim(
-          w_o, acc.shape, [0]
+          w, acc.shape, [0]
       )
       return acc, m_new, l * alpha + w
 
@@ -359,7 +336,7 @@ def build_merge(
     # first one sets m finite and alpha never sees -inf - -inf.
     return lax.fori_loop(0, n, step, softmax_start(cols))
 
-  def merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales):
+  def merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
     """`(acc, m, l)` of the row's n live splits, `GROUP` per copy, weighted
     by their LSE maximum taken first."""
     del first  # 0: the whole row
@@ -384,10 +361,6 @@ def build_merge(
     # neither copy waits for the live count's loads.
     plgpu.copy_gmem_to_smem(lse_ref.at[b, lax.axis_index("g")], lse_buf, lse_bar,
                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-    if scales:  # every slot's scale for these channels' half, on the same barrier
-      scale_ref, s_buf, half = scales
-      plgpu.copy_gmem_to_smem(scale_ref.at[b, lax.axis_index("g"), half], s_buf, lse_bar,
-                              oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
     fetch(0)
     for k in range(1, min(stages, groups)):
       pl.when(k * GROUP < n)(lambda k=k: fetch(k))
@@ -418,14 +391,10 @@ def build_merge(
       for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
         live = live_rows(j)
         w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
-        w_o = w
-        if scales:  # a dead slot's scale was never written: selected away
-          scale_j = plgpu.load(s_buf.at[j], layout=row_layout, optimized=False)
-          w_o = jnp.where(live, w * scale_j, 0.0)
         o_j = plgpu.load(o_buf.at[slot, j - group_box_start(k, num_splits)],
-                         layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32)
+                         layout=plgpu.Layout.WGMMA, optimized=False)
         o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
-        acc = acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0])
+        acc = acc + o_j * lax.broadcast_in_dim(w, acc.shape, [0])
         l = l + w
       if k + stages < groups:
         # Every thread's reads of the slot are ordered before its refill.
@@ -435,18 +404,15 @@ def build_merge(
 
   if group:
     scratch = [
-        plgpu.SMEM((stages, GROUP, HEAD_TILE, cols), partial_dtype),
+        plgpu.SMEM((stages, GROUP, HEAD_TILE, cols), jnp.float32),
         plgpu.SMEM((num_splits, HEAD_TILE), jnp.float32),
-        *([plgpu.SMEM((num_splits, HEAD_TILE), jnp.float32)] if scaled else []),
-        (plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-         plgpu.Barrier(num_arrivals=2 if scaled else 1)),
+        (plgpu.Barrier(num_arrivals=1, num_barriers=stages), plgpu.Barrier(num_arrivals=1)),
     ]
   else:
     scratch = [
-        plgpu.SMEM((stages, HEAD_TILE, cols), partial_dtype),
+        plgpu.SMEM((stages, HEAD_TILE, cols), jnp.float32),
         plgpu.SMEM((stages, HEAD_TILE), jnp.float32),
-        *([plgpu.SMEM((stages, HEAD_TILE), jnp.float32)] if scaled else []),
-        plgpu.Barrier(num_arrivals=3 if scaled else 2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
   if stage_out:
     scratch.append(plgpu.SMEM((HEAD_TILE, cols), out_dtype))
@@ -478,13 +444,12 @@ def build_merge(
     flat = lambda o: o
 
   if not finish_rows:
-    return lambda seq_lens, bounds, o, lse, *scale: call(seq_lens, bounds, flat(o), lse, *scale)
+    return lambda seq_lens, bounds, o, lse: call(seq_lens, bounds, flat(o), lse)
 
-  def merge(seq_lens, bounds, o, lse, *rest):
-    *scale, out, lse_out = rest
+  def merge(seq_lens, bounds, o, lse, out, lse_out):
 
     def in_place(refs):
-      call(seq_lens, bounds, flat(o), lse, *scale, *refs)
+      call(seq_lens, bounds, flat(o), lse, *refs)
 
     return pl.run_state(in_place)((out, lse_out))
 

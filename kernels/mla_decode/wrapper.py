@@ -138,11 +138,10 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "p_fence", "partial_dtype",
-                              "stage_merge_out"))
+                              "group_cols", "finish", "p_fence", "stage_merge_out"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                partial_dtype=jnp.float32, stage_merge_out=True):
+                stage_merge_out=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -173,19 +172,14 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     cols, stages = _merge.grouped_tiling(
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols)
     tiling = dict(cols=cols, stages=stages)
-  # `partial_dtype` (the benchmark's A/B for now): float16 partials, scaled
-  # per row and channel half, halve the partials' bytes.
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
       q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence,
-      partial_dtype=partial_dtype,
   )
-  o, lse, *rest = call(q, cache, block_table, seq_lens, plan.row_start,
+  o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
-  # float16 partials come with their scales (`build_kernel(partial_dtype=)`).
-  scale, finished = (rest[:1], rest[1:]) if partial_dtype == jnp.float16 else ([], rest)
   merge_args = dict(
       batch=batch, heads_padded=heads_padded, dv=_kernel.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
@@ -196,10 +190,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     # results as the rows' splits.
     chunk = _merge.CHUNK
     first = _merge.build_merge(
-        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
-        partial_dtype=partial_dtype, **merge_args
-    )
-    o, lse = first(seq_lens, plan.bounds, o, lse, *scale)
+        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **merge_args)
+    o, lse = first(seq_lens, plan.bounds, o, lse)
     # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
         num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows,
@@ -213,7 +205,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # merge 2-3.4 µs more at batch 128 on the H200, NOTES.md).
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      partial_dtype=partial_dtype, stage_out=stage_merge_out, **tiling, **merge_args
+      stage_out=stage_merge_out, **tiling, **merge_args
   )
-  out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
+  out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return out[:, :heads], lse_out[:, :heads]
