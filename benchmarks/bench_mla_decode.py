@@ -13,7 +13,9 @@ of many splits with the per-split ring instead of the grouped pass,
 decode kernel finish whole rows, ":fence" fences every P hand-off (the
 on-device check then also compares it bitwise with the default), ":mdirect" stores the
 merge's bf16 output from registers instead of by TMA from SMEM (checked
-bitwise);
+bitwise), ":padded" pads a query of fewer heads than its head groups to
+64 per group in XLA and slices the result (the build before the unpadded
+query; checked bitwise);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -170,7 +172,7 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
-                  "mdirect": dict(stage_merge_out=False)}
+                  "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -197,9 +199,12 @@ def check_correctness(rng, variant="default"):
   print(f"variant {variant}: {kernel_kw}")
   rows = []
   lens_np = [1, 63, 64, 65, 0, 1000, 4097, 300]
-  # The last two cut rows into more splits than a merge group (8): the grouped merge.
+  # The last three cut rows into more splits than a merge group (8): the
+  # grouped merge. 48 and 32 heads: an unpadded query, the result stored at
+  # its own heads.
   for heads, splits, mode in ((16, 1, "select"), (64, 3, "multiply"), (128, 7, "select"),
-                              (128, 20, "select"), (64, 40, "multiply")):
+                              (48, 3, "select"), (128, 20, "select"), (64, 40, "multiply"),
+                              (32, 40, "multiply")):
     key = jax.random.key(heads)
     cache = jax.random.normal(key, (200, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 1), (8, heads, D), jnp.bfloat16)
@@ -233,24 +238,28 @@ def check_correctness(rng, variant="default"):
 
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
-SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False)}
+SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False),
+               "padded": dict(pad_heads=True)}
 
 
 def check_same_result(rng, names):
   """The `SAME_RESULT` variants in `names` (P fenced on every hand-off, the
-  merge's output from registers): bit-identical to the default on parts of several segments, clean and with NaN tails and
+  merge's output from registers, the query padded in XLA): bit-identical to the default on parts of several segments, clean and with NaN tails and
   null block in both modes, under both ring layouts; the default against the
   reference."""
   ok = True
   lens_np = [64, 65, 0, 127, 300, 257, 1000, 4097, 5, 2000]
   lens = jnp.asarray(lens_np, jnp.int32)
-  for heads, sw, qr in ((64, 128, 0), (128, 64, 128)):
+  # 16 and 96 heads: the query unpadded and, on 24 SMs' plan (more parts
+  # than rows: no rows finished in the kernel), the result stored by the
+  # merge at its own heads ("padded" pads and slices in XLA instead).
+  for heads, sw, qr, sms in ((64, 128, 0, 6), (128, 64, 128, 6), (16, 128, 0, 24), (96, 64, 128, 24)):
     cache = jax.random.normal(jax.random.key(heads), (200, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.key(heads + 1), (len(lens_np), heads, D), jnp.bfloat16)
     table = table_for(rng, lens_np, 200, 70)
     poisoned = poison_tails(cache, table, lens_np)
     cfg = MLADecodeConfig(num_splits=4, min_chunk_blocks=1, kv_swizzle=sw, q_regs=qr)
-    plan = mla_decode_plan(lens, num_heads=heads, config=cfg, num_sms=6)
+    plan = mla_decode_plan(lens, num_heads=heads, config=cfg, num_sms=sms)
     run = lambda c, select, **kw: _mla_decode(q, c, table, lens, plan, sm_scale=D**-0.5, select=select,
                                               interpret=None, kv_swizzle=sw, q_regs=qr, **kw)
     for c, name in ((cache, "clean"), (poisoned, "poisoned")):

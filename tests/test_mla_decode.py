@@ -95,14 +95,18 @@ def _assert_close(got, want):
         ([1, BS - 1, BS, BS + 1, 0, 3 * BS - 7], 16, 1, RACES),
         ([5 * BS + 3, 0, 2 * BS], 64, 3, FAST),
         ([5 * BS - 1, BS + 1], 128, 2, FAST),
-        # Two head groups, the second padded (heads 64-95 real, 96-127 not).
+        # Fewer heads than a head group, unpadded (the kernel copies 16 rows
+        # of the query, the merge stores 16 rows), the race detector on.
+        ([3 * BS + 5, 0, 2 * BS], 16, 3, RACES),
+        # Two head groups, the second partly real (heads 64-95 real, 96-127 not).
         ([2 * BS + 1, 5], 96, 2, FAST),
         # More splits than the per-split merge takes in one pass: three rows
         # fill the grouped merge's grid (8 channels a CTA); one row does not,
         # and goes through the two passes; with 128 heads it does (two head
-        # groups in the partials' per-CTA layout).
-        ([9 * BS + 3, 0, 2 * BS], 64, 40, FAST),
-        ([40 * BS + 3], 64, 40, FAST),
+        # groups in the partials' per-CTA layout). 32 and 48 heads: both
+        # paths store the real heads alone.
+        ([9 * BS + 3, 0, 2 * BS], 32, 40, FAST),
+        ([40 * BS + 3], 48, 40, FAST),
         ([40 * BS + 3], 128, 40, FAST),
         # 17-32 splits, one head group, a grid of 192 CTAs: the grouped merge
         # at 8 channels per CTA rather than the per-split ring's one pass.
@@ -120,11 +124,12 @@ def test_matches_reference(seq_lens, heads, splits, interpret):
     if plan.num_splits > 16:  # the merge path the comments above name
       from jaxkv.kernels.mla_decode.merge import use_grouped
 
-      grouped = use_grouped(batch=len(seq_lens), head_groups=heads // 64, num_splits=plan.num_splits)
-      assert grouped == {(3, 64): True, (1, 64): False, (1, 128): True}[len(seq_lens), heads]
+      grouped = use_grouped(batch=len(seq_lens), head_groups=-(-heads // 64), num_splits=plan.num_splits)
+      assert grouped == {(3, 32): True, (3, 64): True, (1, 48): False, (1, 128): True}[len(seq_lens), heads]
   got = _run(q, cache, table, lens, splits=splits, interpret=interpret)
   _assert_close(got, _ref(q, cache, table, lens))
   out, lse = got
+  assert out.shape == (len(seq_lens), heads, 512) and lse.shape == (len(seq_lens), heads)
   for b, s in enumerate(seq_lens):
     if s == 0:
       assert (np.asarray(out[b], np.float32) == 0).all()
@@ -950,4 +955,76 @@ def test_merge_output_staged_in_smem_matches_direct_stores(splits, grouped, sms,
   )
   args = (i32(2), i32(2, 4), f32(2, 3, 128, 512), f32(2, 3, 128))
   text = jax.jit(staged).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def _call_ops(heads, seq_lens, config, num_sms=132):
+  """The primitives of one `mla_decode` call's jitted body (one level in: the
+  kernels are one op each; what else runs is XLA ops of its own)."""
+  q, cache, table, lens = _problem(5, seq_lens, heads)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, config=config, num_sms=num_sms)
+  jaxpr = jax.make_jaxpr(
+      lambda q, c: mla_decode(q, c, jnp.asarray(table), jnp.asarray(lens), sm_scale=SCALE,
+                              plan=plan, config=config, interpret=FAST)
+  )(q, jnp.asarray(cache, jnp.bfloat16))
+  (call,) = [e for e in jaxpr.eqns if "jaxpr" in e.params]
+  # jnp's own jitted helpers (jnp.pad) by their names.
+  return {e.params["name"].lstrip("_") if e.primitive.name == "jit" else e.primitive.name
+          for e in call.params["jaxpr"].eqns}
+
+
+@pytest.mark.parametrize(
+    "heads,seq_lens,sms,pad,cut",
+    [
+        (16, [3 * BS, 2 * BS], 132, False, False),  # 8 x 16 heads, unpadded
+        (96, [3 * BS, 2 * BS], 132, False, False),
+        (20, [3 * BS, 2 * BS], 132, True, True),  # not a multiple of 8: padded
+        # More rows than parts: the kernel finishes rows in whole head groups.
+        (16, [3 * BS, 2 * BS, BS, 5], 2, False, True),
+    ],
+)
+def test_heads_below_a_head_group_need_no_pad_or_slice(heads, seq_lens, sms, pad, cut):
+  """A call at a multiple of 8 heads is the kernels alone: no XLA pad of q to
+  64 heads, no slice of the result (each its own launch per call: 3.5-5.4% of
+  a 16-head call on the H200, kernels/mla_decode/NOTES.md), except where
+  the kernel writes whole rows itself."""
+  config = MLADecodeConfig(num_splits=3, min_chunk_blocks=1)
+  ops = _call_ops(heads, seq_lens, config, num_sms=sms)
+  assert ("pad" in ops) == pad
+  assert ("slice" in ops) == cut
+
+
+@pytest.mark.parametrize("heads,kv_swizzle,group", [(16, 128, False), (96, 64, True)])
+def test_unpadded_heads_lower_for_hopper(heads, kv_swizzle, group):
+  """The compiled decode kernel with an unpadded query (its zeroed rows and
+  the last head group's shorter copies) and the merge storing the real heads
+  alone (ring or grouped) lower for CUDA here."""
+  from jaxkv.kernels.mla_decode import kernel, merge
+
+  batch, parts, mb = 2, 4, 8
+  hp = -(-heads // 64) * 64
+  splits = 40 if group else 3
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  tiling = {}
+  if group:
+    cols, stages = merge.grouped_tiling(batch=batch, head_groups=hp // 64, num_splits=splits)
+    tiling = dict(cols=cols, stages=stages)
+  decode = kernel.build_kernel(
+      batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits, block_size=64,
+      sm_scale=SCALE, select=True, interpret=None, kv_swizzle=kv_swizzle, q_heads=heads,
+      partial_cols=tiling.get("cols"),
+  )
+  args = (jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((16, 64, 576), jnp.bfloat16),
+          i32(batch, mb), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1), i32(batch))
+  assert "wgmma.mma_async" in jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  o, lse = jax.eval_shape(decode, *args)
+  combine = merge.build_merge(
+      batch=batch, num_splits=splits, heads_padded=hp, dv=512, max_tokens=mb * 64,
+      out_dtype=jnp.bfloat16, interpret=None, stage_out=True, out_heads=heads, group=group, **tiling)
+  out, lse_out = jax.eval_shape(combine, i32(batch), i32(batch, splits + 1), o, lse)
+  assert out.shape == (batch, heads, 512) and lse_out.shape == (batch, heads)
+  text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
+      lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text

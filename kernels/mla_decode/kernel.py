@@ -120,6 +120,7 @@ def build_kernel(
     partial_cols: int | None = None,
     p_fence: bool | None = None,
     tile_regions: bool = True,
+    q_heads: int | None = None,
 ):
   """Builds the kernel call.
 
@@ -176,6 +177,16 @@ def build_kernel(
   num_splits, 64]` (`split_outputs`), so that what one merge CTA reads is
   one contiguous run of GMEM each.
 
+  `q_heads`: the query's own heads (q is `[batch, q_heads, 576]`), when fewer
+  than `heads_padded` and a multiple of 8 (the query tile's row groups): the
+  last head group's copies then bring its `q_heads - (heads_padded - 64)` real
+  rows alone, into the first rows of the query's SMEM tiles, whose other rows
+  the producer zeroes once before the first copy (no copy writes them again;
+  a padded row's scores, softmax and partial stay in that row, as every
+  wgmma row and softmax row is its own). This saves the caller's pad of q to
+  64 heads (an XLA op of its own per call). The partials keep
+  `heads_padded` rows. None: q is padded already.
+
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
   SMEM under the 64-byte swizzle and in the interpreter, which needs the
@@ -186,6 +197,12 @@ def build_kernel(
   every tile fences.
   """
   assert block_size in BLOCK_SIZES
+  q_heads = heads_padded if q_heads is None else q_heads
+  assert heads_padded - HEAD_TILE < q_heads <= heads_padded
+  assert q_heads == heads_padded or q_heads % 8 == 0
+  # Real rows of the last head group (HEAD_TILE when the query is padded).
+  tail_heads = q_heads - (heads_padded - HEAD_TILE)
+  head_groups = heads_padded // HEAD_TILE
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
@@ -203,7 +220,7 @@ def build_kernel(
   rope_in_regs = interpret is None
 
   def mla_decode_kernel(
-      q_ref,  # [batch, heads_padded, 576] bf16, GMEM
+      q_ref,  # [batch, q_heads, 576] bf16, GMEM
       cache_ref,  # [num_blocks, block_size, 576] bf16, GMEM
       table_ref,  # [batch, max_blocks] int32, GMEM
       seq_lens_ref,  # [batch] int32, GMEM
@@ -270,6 +287,18 @@ def build_kernel(
 
       @pl.when(wg == 2)
       def _producer():
+        if tail_heads < HEAD_TILE:
+          # The query's padded rows (past the last head group's real ones)
+          # are zero from the start and never copied to; the copies below
+          # overwrite the real rows after the fence. Before the register
+          # decrease: a 64x64 tile of zeros takes 16 registers per thread.
+          zero = plgpu.layout_cast(
+              jnp.zeros((HEAD_TILE, CLEAN_COLS), dtype), plgpu.Layout.WGMMA)
+          for h in range(2):
+            for c in range(HALF // CLEAN_COLS):
+              q_lat.at[h, :, pl.ds(c * CLEAN_COLS, CLEAN_COLS)][...] = zero
+          q_rope_smem[...] = zero
+          plgpu.commit_smem()
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
 
         def issue(row, tile, slot):
@@ -299,6 +328,18 @@ def build_kernel(
                 kv_bar.at[slot],
             )
 
+        def copy_query(row, src_heads, n):
+          # The row's query heads `src_heads` (n of them) into the first n
+          # rows of the query tiles.
+          dst = pl.ds(0, n)
+          for h in range(2):
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[row, src_heads, pl.ds(h * HALF, HALF)], q_lat.at[h, dst], q_bar
+            )
+          plgpu.copy_gmem_to_smem(
+              q_ref.at[row, src_heads, pl.ds(LATENT, ROPE)], q_rope_smem.at[dst], q_bar
+          )
+
         def produce(row, carry):
           steps, segs = carry
           lo, n, _, _ = segment(row)
@@ -310,13 +351,14 @@ def build_kernel(
             # the RoPE query lands).
             with jax.named_scope("query_free_wait"):
               pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
-            for h in range(2):
-              plgpu.copy_gmem_to_smem(
-                  q_ref.at[row, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
-              )
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[row, heads, pl.ds(LATENT, ROPE)], q_rope_smem, q_bar
-            )
+            if tail_heads == HEAD_TILE:
+              copy_query(row, heads, HEAD_TILE)
+            else:  # the last head group's real rows alone
+              last = g == head_groups - 1
+              if head_groups > 1:
+                pl.when(~last)(lambda: copy_query(row, heads, HEAD_TILE))
+              tail = pl.ds(heads_padded - HEAD_TILE, tail_heads)
+              pl.when(last)(lambda: copy_query(row, tail, tail_heads))
 
             @pl.loop(0, n)
             def _(i):
@@ -848,10 +890,12 @@ def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
   return l
 
 
-def stage_store(buf, value, dst):
-  """Stores a 16-bit `value` to GMEM `dst` through SMEM `buf` by one TMA copy.
+def stage_store(buf, value, dst, *, src=None):
+  """Stores `value` to GMEM `dst` through SMEM `buf` by one TMA copy (of
+  `src`, a slice of `buf` shaped like `dst`, when given: the rows of `value`
+  that exist in `dst`).
 
-  From registers, two 16-bit values per thread and row fill half of each
+  For 16-bit values, and for rows `dst` holds only some of. From registers, two 16-bit values per thread and row fill half of each
   32-byte sector a warp store touches, which cost far more than their bytes
   on the H200 (sparse decode's result 4-5.5% of a call, the merge's output
   1.8-3.4 µs at batch 128; kernels/mla_decode/NOTES.md); the copy writes
@@ -862,7 +906,7 @@ def stage_store(buf, value, dst):
   """
   buf[...] = value
   plgpu.commit_smem()  # the copy (async proxy) reads what the stores wrote
-  plgpu.copy_smem_to_gmem(buf, dst)
+  plgpu.copy_smem_to_gmem(buf if src is None else src, dst)
 
 
 def split_outputs(batch, num_splits, heads_padded, partial_cols=None):

@@ -200,7 +200,7 @@ def build_merge(
     *, batch: int, num_splits: int, heads_padded: int, dv: int, max_tokens: int,
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
-    group: bool = False, stage_out: bool = False,
+    group: bool = False, stage_out: bool = False, out_heads: int | None = None,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -238,6 +238,12 @@ def build_merge(
   `stage_out`: a 16-bit out goes through SMEM and a TMA copy (each CTA's
   `[64, cols]` in whole rows) instead of from registers, where a warp's
   store covers half of each 32-byte sector it touches.
+
+  `out_heads` (with `stage_out`, neither `chunk` nor `finish_rows`): out and
+  lse_out have that many rows, `heads_padded - 64 < out_heads < heads_padded`
+  and a multiple of 8, instead of `heads_padded`: the last head group's CTAs
+  copy their tiles' real rows alone (its LSE staged too), so that the caller
+  needs no slice of the padded result (an XLA op per output and call).
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -253,8 +259,16 @@ def build_merge(
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   stage_out = stage_out and jnp.dtype(out_dtype).itemsize == 2
+  out_heads = heads_padded if out_heads is None else out_heads
+  head_groups = heads_padded // HEAD_TILE
+  tail_heads = out_heads - (heads_padded - HEAD_TILE)  # real rows of the last group
+  if out_heads != heads_padded:
+    assert 0 < tail_heads < HEAD_TILE and out_heads % 8 == 0
+    assert stage_out and chunk is None and not finish_rows
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, *refs):
+    if tail_heads < HEAD_TILE:
+      *refs, lse_stage = refs
     if stage_out:
       *refs, out_buf = refs
     out_ref, lse_out_ref, o_buf, lse_buf, bar = refs
@@ -284,14 +298,33 @@ def build_merge(
       row = merge_row_grouped if group else merge_row
       acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar)
       o, lse = softmax_finish(acc, m, l)
-      if stage_out:
-        stage_store(out_buf, o.astype(out_dtype), row_out.at[heads, chans])
-      else:
-        row_out[heads, chans] = o.astype(out_dtype)
 
-      @pl.when(c == 0)
-      def _():
-        row_lse[heads] = lse
+      def store_whole():  # all 64 rows of the head group
+        if stage_out:
+          stage_store(out_buf, o.astype(out_dtype), row_out.at[heads, chans])
+        else:
+          row_out[heads, chans] = o.astype(out_dtype)
+
+        @pl.when(c == 0)
+        def _():
+          row_lse[heads] = lse
+
+      def store_tail():  # the last head group's real rows alone
+        rows = pl.ds(heads_padded - HEAD_TILE, tail_heads)
+        real = pl.ds(0, tail_heads)
+        stage_store(out_buf, o.astype(out_dtype), row_out.at[rows, chans], src=out_buf.at[real])
+
+        @pl.when(c == 0)
+        def _():
+          stage_store(lse_stage, lse, row_lse.at[rows], src=lse_stage.at[real])
+
+      if tail_heads == HEAD_TILE:
+        store_whole()
+      else:
+        last = lax.axis_index("g") == head_groups - 1
+        if head_groups > 1:
+          pl.when(~last)(store_whole)
+        pl.when(last)(store_tail)
 
       if stage_out:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -416,10 +449,12 @@ def build_merge(
     ]
   if stage_out:
     scratch.append(plgpu.SMEM((HEAD_TILE, cols), out_dtype))
+  if tail_heads < HEAD_TILE:
+    scratch.append(plgpu.SMEM((HEAD_TILE,), jnp.float32))
   per_row = () if chunk is None else (chunks,)
   outputs = (
-      jax.ShapeDtypeStruct((batch, *per_row, heads_padded, dv), out_dtype),
-      jax.ShapeDtypeStruct((batch, *per_row, heads_padded), jnp.float32),
+      jax.ShapeDtypeStruct((batch, *per_row, out_heads, dv), out_dtype),
+      jax.ShapeDtypeStruct((batch, *per_row, out_heads), jnp.float32),
   )
   call = plgpu.kernel(
       merge_kernel,

@@ -138,15 +138,21 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "p_fence", "stage_merge_out"))
+                              "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                stage_merge_out=True):
+                stage_merge_out=True, pad_heads=False):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
-  if heads_padded != heads:
+  # Head counts that are a multiple of 8 (the query tile's row groups: every
+  # tensor-parallel share of 128 or 64 heads) go in unpadded: the kernel
+  # copies the real rows alone and zeroes the rest of its query tile once.
+  # Others are padded here to the head group of 64 (an XLA op per call), as
+  # every count is with `pad_heads` (the benchmark's A/B).
+  q_rows = heads if heads % 8 == 0 and not pad_heads else heads_padded
+  if q_rows != heads:
     q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
   # The kernels clip every plan value and length themselves (a stale or
   # foreign plan cannot walk past a row's blocks): no XLA op per call.
@@ -156,6 +162,10 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # the merge saves the epilogue's branch costs (128 x 64 x 4K-8K on the H200:
   # even). `finish` forces it on or off (the benchmark's A/B).
   finish_rows = batch > plan.num_parts if finish is None else finish
+  # Rows of the result: the merge's staged stores write the real heads alone
+  # where it writes every row (the kernel's finished rows go out from
+  # registers in whole head groups); otherwise the padded result is cut here.
+  out_rows = heads if q_rows == heads and stage_merge_out and not finish_rows else heads_padded
   # Rows of many splits (batch 1-4 past 32 splits; 17-32 with one head
   # group): one grouped pass (`merge.use_grouped`; `grouped` True / False
   # forces it where it can run / keeps it off, `group_cols` sets its channels
@@ -176,7 +186,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
-      q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence,
+      q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence, q_heads=q_rows,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
@@ -195,17 +205,24 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
         num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows,
-        edge_chunk=chunk, stage_out=stage_merge_out, **merge_args
+        edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, **merge_args
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
-    return out[:, :heads], lse_out[:, :heads]
+    return _real_heads(out, lse_out, heads)
   # A row's live splits are its first ones; the merge reads those alone,
   # never the unwritten rest, and writes the rows the kernel did not: by TMA
   # from SMEM (`stage_merge_out`; from registers, its bf16 stores cost the
   # merge 2-3.4 µs more at batch 128 on the H200, NOTES.md).
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      stage_out=stage_merge_out, **tiling, **merge_args
+      stage_out=stage_merge_out, out_heads=out_rows, **tiling, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
+  return _real_heads(out, lse_out, heads)
+
+
+def _real_heads(out, lse_out, heads):
+  # A padded result's real heads (no op where the merge wrote them alone).
+  if out.shape[1] == heads:
+    return out, lse_out
   return out[:, :heads], lse_out[:, :heads]
