@@ -7,10 +7,14 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
+      [--pad-heads 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
-`SparseMLADecodeConfig.q_regs`), and the NaN check runs each.
+`SparseMLADecodeConfig.q_regs`), and the NaN check runs each. `--pad-heads 1`
+also times each variant with the query padded to 64 heads per group in XLA and
+the result sliced (the build before the unpadded query, for fewer heads than a
+head group), and compares its result bitwise with the unpadded one's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode_reference,
 )
 from jaxkv.kernels.sparse_mla_decode.config import default_config
+from jaxkv.kernels.sparse_mla_decode.wrapper import _sparse_mla_decode
 
 NUM_BLOCKS, BLOCK_SIZE, TOPK = 8192, 64, 2048  # a 604 MB cache, far past L2
 SCALE = 576**-0.5
@@ -82,6 +87,8 @@ def main(argv=None) -> int:
                       help="time the kernel with each of these `stage_out` settings (default: "
                       "the config's); each staged result is compared bitwise with the direct "
                       "stores' of the same run")
+  parser.add_argument("--pad-heads", type=int, nargs="+", default=[0], choices=[0, 1],
+                      help="time each variant with the query padded in XLA (1) and unpadded (0)")
   args = parser.parse_args(argv)
   shapes = [(128, 64, TOPK, 0.0), (128, 128, TOPK, 0.0), (64, 64, TOPK, 0.0),
             (128, 64, TOPK, 0.25)]
@@ -113,24 +120,37 @@ def main(argv=None) -> int:
     t_ref = _time(ref, q, cache, idx)
     q_regs = args.q_regs or [cfg.q_regs]
     stage_out = [bool(v) for v in args.stage_out] if args.stage_out else [cfg.stage_out]
-    variants = [(mode, qr, so) for so in stage_out for qr in q_regs for mode in args.modes]
+    pads = sorted({bool(v) for v in args.pad_heads})
+    variants = [(mode, qr, so, ph) for so in stage_out for qr in q_regs for mode in args.modes
+                for ph in pads]
     outs = {}
-    for mode, qr, so in variants:
+    for mode, qr, so, ph in variants:
       vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so)
-      fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: sparse_mla_decode(
-          q, c, i, sm_scale=SCALE, mask_mode=mode, config=vcfg))
+      if ph:
+        fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: _sparse_mla_decode(
+            q, c, i, sm_scale=SCALE, select=mode == "select", num_splits=vcfg.num_splits,
+            interpret=None, q_regs=vcfg.q_regs, stage_out=vcfg.stage_out, pad_heads=True))
+      else:
+        fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: sparse_mla_decode(
+            q, c, i, sm_scale=SCALE, mask_mode=mode, config=vcfg))
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
-      outs[mode, qr, so] = (np.asarray(out, np.float32), np.asarray(lse))
-      if so and (mode, qr, False) in outs:
-        same = all((a == b).all() for a, b in zip(outs[mode, qr, so], outs[mode, qr, False]))
+      outs[mode, qr, so, ph] = (np.asarray(out, np.float32), np.asarray(lse))
+      if so and not ph and (mode, qr, False, False) in outs:
+        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph], outs[mode, qr, False, ph]))
         print(f"b{batch} h{heads} {mode} q_regs {qr}: staged result bit-equal to direct"
               f" stores: {same}", flush=True)
         good &= same
+      if ph:
+        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph], outs[mode, qr, so, False]))
+        print(f"b{batch} h{heads} {mode} q_regs {qr} stage_out {so}: padded query's result"
+              f" bit-equal to the unpadded one's: {same}", flush=True)
+        good &= same
       ok &= good
       t = _time(fn, q, cache, idx)
-      rows.append((batch, heads, topk, invalid, f"{mode}/qr{qr}{'/so' if so else ''}", t * 1e6,
+      rows.append((batch, heads, topk, invalid,
+                   f"{mode}/qr{qr}{'/so' if so else ''}{'/pad' if ph else ''}", t * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))

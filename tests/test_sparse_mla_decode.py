@@ -90,12 +90,18 @@ def test_long_index_list(mode):
   _check(out, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("mode, topk, heads", [("select", 128, 128), ("multiply", 64, 64)])
+@pytest.mark.parametrize(
+    "mode, topk, heads",
+    [("select", 128, 128), ("multiply", 64, 64), ("multiply", 64, 16), ("select", 128, 96)],
+)
 def test_result_staged_in_smem_matches_direct_stores(mode, topk, heads):
   """`stage_out`: the result goes out by TMA from the last tile's stage (stage 1
-  at two tiles, 0 at one): bit for bit the registers' direct stores."""
+  at two tiles, 0 at one): bit for bit the registers' direct stores. At 16
+  and 96 heads the query goes in unpadded and the staged stores write the
+  real heads alone (the direct stores a padded result, sliced in XLA)."""
   q, cache, idx = _inputs(31, 3, heads, topk, dead_rows=(2,))
   out, lse = _run(q, cache, idx, mode)
+  assert out.shape == (3, heads, 512) and lse.shape == (3, heads)
   direct_out, direct_lse = _run(q, cache, idx, mode, interpret=FAST, stage_out=False)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(direct_out, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(direct_lse))
@@ -220,7 +226,10 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
 @pytest.mark.parametrize(
     "select, splits, heads, q_regs, stage_out",
     [(True, 1, 64, 0, False), (False, 2, 128, 0, False), (True, 1, 128, 128, False),
-     (False, 1, 128, 128, True)],
+     (False, 1, 128, 128, True),
+     # Unpadded queries: the zeroed query rows, the last group's shorter copies
+     # and (staged) stores.
+     (True, 1, 16, 0, True), (False, 2, 96, 0, False)],
 )
 def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_out):
   """The compiled kernel's own path (the per-thread cp.async gather, the stage
@@ -231,9 +240,9 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_
 
   batch, topk = 2, 64 * splits
   call = K.build_kernel(
-      batch=batch, heads_padded=heads, topk=topk, num_splits=splits, sm_scale=SCALE,
-      select=select, interpret=None, q_regs=q_regs, stage_out=stage_out,
-      out_dtype=jnp.bfloat16,
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=splits,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=q_regs, stage_out=stage_out,
+      out_dtype=jnp.bfloat16, q_heads=heads,
   )
   args = (
       jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),
@@ -247,3 +256,23 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_
     ops.append("nvvm.redux.sync")
   for op in ops:
     assert op in text, op
+
+
+@pytest.mark.parametrize(
+    "heads, stage_out, pad, cut",
+    [(16, True, False, False), (96, True, False, False), (16, False, False, True),
+     (20, True, True, True)],
+)
+def test_heads_below_a_head_group_need_no_pad_or_slice(heads, stage_out, pad, cut):
+  """One split with a staged result at a multiple of 8 heads is the kernel
+  alone: no XLA pad of q, no slice of the result; the direct stores write
+  whole head groups (sliced), and other head counts are padded."""
+  q, cache, idx = _inputs(3, 2, heads, 64)
+  config = SparseMLADecodeConfig(num_splits=1, stage_out=stage_out)
+  jaxpr = jax.make_jaxpr(lambda q: sparse_mla_decode(
+      q, cache, idx, sm_scale=SCALE, interpret=FAST, config=config))(q)
+  (call,) = [e for e in jaxpr.eqns if "jaxpr" in e.params]
+  ops = {e.params["name"].lstrip("_") if e.primitive.name == "jit" else e.primitive.name
+         for e in call.params["jaxpr"].eqns}
+  assert ("pad" in ops) == pad
+  assert ("slice" in ops) == cut

@@ -288,17 +288,7 @@ def build_kernel(
       @pl.when(wg == 2)
       def _producer():
         if tail_heads < HEAD_TILE:
-          # The query's padded rows (past the last head group's real ones)
-          # are zero from the start and never copied to; the copies below
-          # overwrite the real rows after the fence. Before the register
-          # decrease: a 64x64 tile of zeros takes 16 registers per thread.
-          zero = plgpu.layout_cast(
-              jnp.zeros((HEAD_TILE, CLEAN_COLS), dtype), plgpu.Layout.WGMMA)
-          for h in range(2):
-            for c in range(HALF // CLEAN_COLS):
-              q_lat.at[h, :, pl.ds(c * CLEAN_COLS, CLEAN_COLS)][...] = zero
-          q_rope_smem[...] = zero
-          plgpu.commit_smem()
+          zero_query_rows(q_lat, q_rope_smem)
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
 
         def issue(row, tile, slot):
@@ -888,6 +878,21 @@ def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
   if reuse:
     rendezvous()
   return l
+
+
+def zero_query_rows(q_lat, q_rope):
+  """Zeroes the query's SMEM tiles, q_lat `[2, 64, 256]` and q_rope `[64,
+  64]` bf16, and fences them toward the async proxy: for a query of fewer
+  real heads than the tile's 64 rows, whose copies then write the real rows
+  alone (after the fence, in the same thread). The padded rows stay zero: no
+  copy writes them. Called by the producer before its register decrease (a
+  64x64 tile of zeros takes 16 registers per thread)."""
+  zero = plgpu.layout_cast(jnp.zeros((HEAD_TILE, CLEAN_COLS), jnp.bfloat16), plgpu.Layout.WGMMA)
+  for h in range(2):
+    for c in range(HALF // CLEAN_COLS):
+      q_lat.at[h, :, pl.ds(c * CLEAN_COLS, CLEAN_COLS)][...] = zero
+  q_rope[...] = zero
+  plgpu.commit_smem()
 
 
 def stage_store(buf, value, dst, *, src=None):

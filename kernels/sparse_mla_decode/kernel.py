@@ -78,6 +78,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     split_outputs,
     stage_store,
     tile_scores,
+    zero_query_rows,
 )
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
@@ -116,6 +117,7 @@ def build_kernel(
     out_dtype=jnp.float32,
     q_regs: int = 0,
     stage_out: bool = False,
+    q_heads: int | None = None,
 ):
   """Builds the kernel call.
 
@@ -137,6 +139,14 @@ def build_kernel(
   then: both QKs and its own PV read it before) and stores it by TMA, in
   whole 64-byte rows, instead of from registers (two bf16 per thread and
   row: 16 of a 32-byte sector per warp store).
+
+  `q_heads`: the query's own heads (q `[batch, q_heads, 576]`), fewer than
+  `heads_padded` and a multiple of 8, as in dense decode
+  (`mla_decode.kernel.build_kernel`): the last head group's copies bring its
+  real rows alone into the first rows of the query's tiles, whose other rows
+  the producer zeroes before the copies. With `stage_out` the result then
+  has `q_heads` rows too: the last head group stores its real rows alone by
+  TMA (its LSE staged likewise). None: q is padded already.
   """
   assert topk % (TILE * num_splits) == 0
   check_choice("q_regs", q_regs, Q_REGS)
@@ -148,13 +158,21 @@ def build_kernel(
   direct = num_splits == 1  # no merge: the kernel writes the result
   stage_out = stage_out and direct and out_dtype == jnp.bfloat16
   last_stage = (num_tiles - 1) % NUM_STAGES
+  q_heads = heads_padded if q_heads is None else q_heads
+  assert heads_padded - HEAD_TILE < q_heads <= heads_padded
+  assert q_heads == heads_padded or q_heads % 8 == 0
+  head_groups = heads_padded // HEAD_TILE
+  # Real rows of the last head group (HEAD_TILE when the query is padded).
+  tail_heads = q_heads - (heads_padded - HEAD_TILE)
+  # Rows of the result: the real heads where the staged stores write them alone.
+  out_heads = q_heads if stage_out else heads_padded
 
   def sparse_mla_decode_kernel(
-      q_ref,  # [batch, heads_padded, 576] bf16, GMEM
+      q_ref,  # [batch, q_heads, 576] bf16, GMEM
       cache_ref,  # [num_slots, 576] bf16, GMEM
       idx_ref,  # [batch, topk] int32, GMEM
-      o_ref,  # [batch, (num_splits,) heads_padded, 512], GMEM
-      lse_ref,  # [batch, (num_splits,) heads_padded] f32, GMEM
+      o_ref,  # [batch, (num_splits,) out_heads, 512], GMEM
+      lse_ref,  # [batch, (num_splits,) out_heads] f32, GMEM
   ):
     g = lax.axis_index("g")
     split = lax.axis_index("s")
@@ -179,6 +197,8 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
+      if tail_heads < HEAD_TILE and stage_out:
+        *extra_refs, lse_stage = extra_refs
       if compiled:
         landed, *rest = extra_refs
         scratch = rest[0] if rest else None
@@ -188,20 +208,35 @@ def build_kernel(
         landed = scratch = None
       wg = lax.axis_index("wg")
 
+      def copy_query(src_heads, n):
+        # The row's query heads `src_heads` (n of them) into the first n rows
+        # of the query tiles.
+        dst = pl.ds(0, n)
+        for h in range(2):
+          plgpu.copy_gmem_to_smem(
+              q_ref.at[b, src_heads, pl.ds(h * HALF, HALF)], q_lat.at[h, dst], q_bar
+          )
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[b, src_heads, pl.ds(LATENT, ROPE)], q_rope_smem.at[dst], q_bar
+        )
+
       @pl.when(wg == 2)
       def _producer():
+        if tail_heads < HEAD_TILE:
+          zero_query_rows(q_lat, q_rope_smem)
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
         if compiled:
           # Before the query's copy: the consumers' wait on it orders their
           # first wait on a stage after this.
           init_barriers(landed, arrivals=128)
-        for h in range(2):
-          plgpu.copy_gmem_to_smem(
-              q_ref.at[b, heads, pl.ds(h * HALF, HALF)], q_lat.at[h], q_bar
-          )
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[b, heads, pl.ds(LATENT, ROPE)], q_rope_smem, q_bar
-        )
+        if tail_heads == HEAD_TILE:
+          copy_query(heads, HEAD_TILE)
+        else:  # the last head group's real rows alone
+          last = g == head_groups - 1
+          if head_groups > 1:
+            pl.when(~last)(lambda: copy_query(heads, HEAD_TILE))
+          tail = pl.ds(heads_padded - HEAD_TILE, tail_heads)
+          pl.when(last)(lambda: copy_query(tail, tail_heads))
 
         def fetch_ids(tile):
           ring = lax.rem(tile, IDX_STAGES)
@@ -344,12 +379,31 @@ def build_kernel(
           if stage_out:
             # Our value half of the last stage: the other consumer's QK of
             # that tile (the only other reader) was done before its P came.
-            stage_store(k_lat.at[last_stage, wg], res, o_ref.at[b, heads, cols])
+            buf = k_lat.at[last_stage, wg]
+
+            def store_whole():
+              stage_store(buf, res, o_ref.at[b, heads, cols])
+              if wg == 0:
+                lse_ref[b, heads] = lse
+
+            def store_tail():  # the last head group's real rows alone
+              rows, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
+              stage_store(buf, res, o_ref.at[b, rows, cols], src=buf.at[real])
+              if wg == 0:
+                stage_store(lse_stage, lse, lse_ref.at[b, rows], src=lse_stage.at[real])
+
+            if tail_heads == HEAD_TILE:
+              store_whole()
+            else:
+              last = g == head_groups - 1
+              if head_groups > 1:
+                pl.when(~last)(store_whole)
+              pl.when(last)(store_tail)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           else:
             o_ref[b, heads, cols] = res
-          if wg == 0:
-            lse_ref[b, heads] = lse
+            if wg == 0:
+              lse_ref[b, heads] = lse
         else:
           o_ref[b, split, heads, cols] = o
           if wg == 0:
@@ -371,6 +425,8 @@ def build_kernel(
           plgpu.Barrier(num_arrivals=3 * TILE + 1, num_barriers=NUM_STAGES),
           seesaw_p_scratch(),
       ]
+    if tail_heads < HEAD_TILE and stage_out:
+      extra.append(plgpu.SMEM((HEAD_TILE,), jnp.float32))  # the last group's LSE
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
@@ -396,8 +452,8 @@ def build_kernel(
       grid=(batch, num_splits, heads_padded // HEAD_TILE),
       grid_names=("b", "s", "g"),
       out_type=(
-          (jax.ShapeDtypeStruct((batch, heads_padded, LATENT), out_dtype),
-           jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32))
+          (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
+           jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
           if direct else split_outputs(batch, num_splits, heads_padded)
       ),
       kernel_name="jaxkv_sparse_mla_decode",
