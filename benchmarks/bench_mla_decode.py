@@ -200,11 +200,11 @@ def check_correctness(rng, variant="default"):
   rows = []
   lens_np = [1, 63, 64, 65, 0, 1000, 4097, 300]
   # The last three cut rows into more splits than a merge group (8): the
-  # grouped merge. 48 and 32 heads: an unpadded query, the result stored at
-  # its own heads.
+  # grouped merge. 8, 48 and 32 heads: an unpadded query, the result stored
+  # at its own heads.
   for heads, splits, mode in ((16, 1, "select"), (64, 3, "multiply"), (128, 7, "select"),
-                              (48, 3, "select"), (128, 20, "select"), (64, 40, "multiply"),
-                              (32, 40, "multiply")):
+                              (48, 3, "select"), (8, 3, "multiply"), (128, 20, "select"),
+                              (64, 40, "multiply"), (32, 40, "multiply")):
     key = jax.random.key(heads)
     cache = jax.random.normal(key, (200, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 1), (8, heads, D), jnp.bfloat16)
