@@ -318,18 +318,6 @@ def build_kernel(
                 kv_bar.at[slot],
             )
 
-        def copy_query(row, src_heads, n):
-          # The row's query heads `src_heads` (n of them) into the first n
-          # rows of the query tiles.
-          dst = pl.ds(0, n)
-          for h in range(2):
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[row, src_heads, pl.ds(h * HALF, HALF)], q_lat.at[h, dst], q_bar
-            )
-          plgpu.copy_gmem_to_smem(
-              q_ref.at[row, src_heads, pl.ds(LATENT, ROPE)], q_rope_smem.at[dst], q_bar
-          )
-
         def produce(row, carry):
           steps, segs = carry
           lo, n, _, _ = segment(row)
@@ -341,14 +329,8 @@ def build_kernel(
             # the RoPE query lands).
             with jax.named_scope("query_free_wait"):
               pl.when(segs > 0)(lambda: plgpu.barrier_wait(q_free_bar))
-            if tail_heads == HEAD_TILE:
-              copy_query(row, heads, HEAD_TILE)
-            else:  # the last head group's real rows alone
-              last = g == head_groups - 1
-              if head_groups > 1:
-                pl.when(~last)(lambda: copy_query(row, heads, HEAD_TILE))
-              tail = pl.ds(heads_padded - HEAD_TILE, tail_heads)
-              pl.when(last)(lambda: copy_query(row, tail, tail_heads))
+            load_query(q_ref, row, g, head_groups=head_groups, tail_heads=tail_heads,
+                       q_lat=q_lat, q_rope=q_rope_smem, bar=q_bar)
 
             @pl.loop(0, n)
             def _(i):
@@ -878,6 +860,30 @@ def seesaw_row_sums(wg: int, l_own, xchg, sync_bar, *, reuse: bool):
   if reuse:
     rendezvous()
   return l
+
+
+def load_query(q_ref, row, g, *, head_groups, tail_heads, q_lat, q_rope, bar):
+  """Copies head group `g` of row `row` of q `[batch, q_heads, 576]` (GMEM)
+  into the query tiles, q_lat `[2, 64, 256]` and q_rope `[64, 64]` (SMEM),
+  three copies completing on `bar`. The last head group holds `tail_heads`
+  real rows (64 when q is padded): its copies bring those alone, into the
+  tiles' first rows (`zero_query_rows` zeroed the rest)."""
+
+  def copy(src_heads, n):
+    dst = (lambda ref: ref) if n == HEAD_TILE else (lambda ref: ref.at[pl.ds(0, n)])
+    for h in range(2):
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[row, src_heads, pl.ds(h * HALF, HALF)], dst(q_lat.at[h]), bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[row, src_heads, pl.ds(LATENT, ROPE)], dst(q_rope), bar)
+
+  whole = pl.ds(g * HEAD_TILE, HEAD_TILE)
+  if tail_heads == HEAD_TILE:
+    copy(whole, HEAD_TILE)
+    return
+  last = g == head_groups - 1
+  if head_groups > 1:
+    pl.when(~last)(lambda: copy(whole, HEAD_TILE))
+  pl.when(last)(lambda: copy(pl.ds((head_groups - 1) * HEAD_TILE, tail_heads), tail_heads))
 
 
 def zero_query_rows(q_lat, q_rope):

@@ -65,6 +65,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     SLOT_HALF,
     bf16_tile,
     launch,
+    load_query,
     query_head,
     seesaw_barriers,
     seesaw_begin,
@@ -208,18 +209,6 @@ def build_kernel(
         landed = scratch = None
       wg = lax.axis_index("wg")
 
-      def copy_query(src_heads, n):
-        # The row's query heads `src_heads` (n of them) into the first n rows
-        # of the query tiles.
-        dst = pl.ds(0, n)
-        for h in range(2):
-          plgpu.copy_gmem_to_smem(
-              q_ref.at[b, src_heads, pl.ds(h * HALF, HALF)], q_lat.at[h, dst], q_bar
-          )
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[b, src_heads, pl.ds(LATENT, ROPE)], q_rope_smem.at[dst], q_bar
-        )
-
       @pl.when(wg == 2)
       def _producer():
         if tail_heads < HEAD_TILE:
@@ -229,14 +218,8 @@ def build_kernel(
           # Before the query's copy: the consumers' wait on it orders their
           # first wait on a stage after this.
           init_barriers(landed, arrivals=128)
-        if tail_heads == HEAD_TILE:
-          copy_query(heads, HEAD_TILE)
-        else:  # the last head group's real rows alone
-          last = g == head_groups - 1
-          if head_groups > 1:
-            pl.when(~last)(lambda: copy_query(heads, HEAD_TILE))
-          tail = pl.ds(heads_padded - HEAD_TILE, tail_heads)
-          pl.when(last)(lambda: copy_query(tail, tail_heads))
+        load_query(q_ref, b, g, head_groups=head_groups, tail_heads=tail_heads,
+                   q_lat=q_lat, q_rope=q_rope_smem, bar=q_bar)
 
         def fetch_ids(tile):
           ring = lax.rem(tile, IDX_STAGES)
