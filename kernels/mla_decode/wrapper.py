@@ -96,7 +96,9 @@ def mla_decode(
   than by shape annotations, so that any mismatch reads the same.
 
   Args:
-    q: `[batch, heads, 576]` bf16 queries, heads in [1, 128].
+    q: `[batch, heads, 576]` bf16 queries, heads in [1, 128] (computed in
+      groups of 64; a multiple of 8 goes in as it is, other counts are
+      padded to the group around the kernels, an XLA op each way).
     cache: `[num_blocks, block_size, 576]` bf16 latent cache (512 latent +
       64 RoPE), block_size 32, 64 or 128.
     block_table: `[batch, max_blocks]` int32, padded with 0 (never read past

@@ -46,7 +46,9 @@ def sparse_mla_decode(
 
   Args:
     q: `[batch, heads, 576]` bf16 or float32 queries (1 to 128 heads; cast to
-      bf16 for the tensor cores).
+      bf16 for the tensor cores). Heads are computed in groups of 64: a
+      multiple of 8 goes in as it is, other counts are padded to the group
+      in XLA (and, except for one split's bf16 result, the result is sliced).
     cache: `[num_blocks, block_size, 576]` bf16 latent cache.
     indices: `[batch, topk]` int32 global slot ids (`block * block_size +
       offset`), -1 invalid; topk a multiple of 64, at most 2048.
