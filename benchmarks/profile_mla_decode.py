@@ -42,11 +42,12 @@ def build(q, cache, plan, select, profile_dir=None, tile_regions=True):
   # The kernel the shape's default config runs (its ring layout and query
   # registers), on the shape's default plan.
   heads = q.shape[1]
-  if heads % 8:
+  if K.query_rows(heads) != heads:
     raise SystemExit(f"--shape: {heads} heads; the profile takes a multiple of 8 (unpadded q)")
   config = default_config(batch=q.shape[0], num_heads=heads)
   return jax.jit(K.build_kernel(
-      batch=q.shape[0], heads_padded=-(-heads // 64) * 64, q_heads=heads, num_parts=plan.num_parts,
+      batch=q.shape[0], heads_padded=-(-heads // K.HEAD_TILE) * K.HEAD_TILE, q_heads=heads,
+      num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=cache.shape[1], sm_scale=B.D**-0.5,
       select=select, interpret=None, profile_dir=profile_dir,
       kv_swizzle=config.kv_swizzle, q_regs=config.q_regs, tile_regions=tile_regions,

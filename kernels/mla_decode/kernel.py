@@ -198,10 +198,7 @@ def build_kernel(
   """
   assert block_size in BLOCK_SIZES
   q_heads = heads_padded if q_heads is None else q_heads
-  assert heads_padded - HEAD_TILE < q_heads <= heads_padded
-  assert q_heads == heads_padded or q_heads % 8 == 0
-  # Real rows of the last head group (HEAD_TILE when the query is padded).
-  tail_heads = q_heads - (heads_padded - HEAD_TILE)
+  tail_heads = last_group_rows(q_heads, heads_padded)
   head_groups = heads_padded // HEAD_TILE
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
   if profile_dir and interpret is not None:
@@ -876,14 +873,40 @@ def load_query(q_ref, row, g, *, head_groups, tail_heads, q_lat, q_rope, bar):
           q_ref.at[row, src_heads, pl.ds(h * HALF, HALF)], dst(q_lat.at[h]), bar)
     plgpu.copy_gmem_to_smem(q_ref.at[row, src_heads, pl.ds(LATENT, ROPE)], dst(q_rope), bar)
 
-  whole = pl.ds(g * HEAD_TILE, HEAD_TILE)
+  by_head_group(
+      g, head_groups=head_groups, tail_heads=tail_heads,
+      whole=lambda: copy(pl.ds(g * HEAD_TILE, HEAD_TILE), HEAD_TILE),
+      tail=lambda: copy(pl.ds((head_groups - 1) * HEAD_TILE, tail_heads), tail_heads),
+  )
+
+
+def query_rows(heads: int, *, pad: bool = False) -> int:
+  """The query heads the decode kernels take for `heads` real ones: `heads`
+  itself where it is a multiple of 8 (a TMA box into the query's swizzled
+  tiles moves whole 8-row groups), else `heads` padded to head groups of 64
+  (and always with `pad`)."""
+  return heads if heads % 8 == 0 and not pad else -(-heads // HEAD_TILE) * HEAD_TILE
+
+
+def last_group_rows(heads: int, heads_padded: int) -> int:
+  """Real rows of the last head group of 64 when `heads` (`query_rows`) of
+  `heads_padded` are real: 64 when none is padding."""
+  assert heads_padded - HEAD_TILE < heads <= heads_padded
+  assert heads == heads_padded or heads % 8 == 0
+  return heads - (heads_padded - HEAD_TILE)
+
+
+def by_head_group(g, *, head_groups: int, tail_heads: int, whole, tail) -> None:
+  """Runs `whole()` in head group `g` when its 64 rows are real and `tail()`
+  when it is a last group of `tail_heads` < 64 real rows (both static
+  bodies; `g` is the grid's head-group index)."""
   if tail_heads == HEAD_TILE:
-    copy(whole, HEAD_TILE)
+    whole()
     return
   last = g == head_groups - 1
   if head_groups > 1:
-    pl.when(~last)(lambda: copy(whole, HEAD_TILE))
-  pl.when(last)(lambda: copy(pl.ds((head_groups - 1) * HEAD_TILE, tail_heads), tail_heads))
+    pl.when(~last)(whole)
+  pl.when(last)(tail)
 
 
 def zero_query_rows(q_lat, q_rope):
@@ -904,9 +927,9 @@ def zero_query_rows(q_lat, q_rope):
 def stage_store(buf, value, dst, *, src=None):
   """Stores `value` to GMEM `dst` through SMEM `buf` by one TMA copy (of
   `src`, a slice of `buf` shaped like `dst`, when given: the rows of `value`
-  that exist in `dst`).
+  that exist in `dst`, which a register store cannot pick out).
 
-  For 16-bit values, and for rows `dst` holds only some of. From registers, two 16-bit values per thread and row fill half of each
+  For 16-bit values: from registers, two 16-bit values per thread and row fill half of each
   32-byte sector a warp store touches, which cost far more than their bytes
   on the H200 (sparse decode's result 4-5.5% of a call, the merge's output
   1.8-3.4 µs at batch 128; kernels/mla_decode/NOTES.md); the copy writes

@@ -42,7 +42,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel import _LOG2E, HEAD_TILE, TILE, softmax_finish, softmax_start, stage_store
+from .kernel import (
+    _LOG2E,
+    HEAD_TILE,
+    TILE,
+    by_head_group,
+    last_group_rows,
+    softmax_finish,
+    softmax_start,
+    stage_store,
+)
 
 # Value channels per CTA and at most this many splits in flight per CTA (16 KB
 # each; no more than a plan's splits per row), for rows of few splits;
@@ -261,10 +270,8 @@ def build_merge(
   stage_out = stage_out and jnp.dtype(out_dtype).itemsize == 2
   out_heads = heads_padded if out_heads is None else out_heads
   head_groups = heads_padded // HEAD_TILE
-  tail_heads = out_heads - (heads_padded - HEAD_TILE)  # real rows of the last group
-  if out_heads != heads_padded:
-    assert 0 < tail_heads < HEAD_TILE and out_heads % 8 == 0
-    assert stage_out and chunk is None and not finish_rows
+  tail_heads = last_group_rows(out_heads, heads_padded)
+  assert tail_heads == HEAD_TILE or (stage_out and chunk is None and not finish_rows)
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, *refs):
     if tail_heads < HEAD_TILE:
@@ -318,13 +325,8 @@ def build_merge(
         def _():
           stage_store(lse_stage, lse, row_lse.at[rows], src=lse_stage.at[real])
 
-      if tail_heads == HEAD_TILE:
-        store_whole()
-      else:
-        last = lax.axis_index("g") == head_groups - 1
-        if head_groups > 1:
-          pl.when(~last)(store_whole)
-        pl.when(last)(store_tail)
+      by_head_group(lax.axis_index("g"), head_groups=head_groups, tail_heads=tail_heads,
+                    whole=store_whole, tail=store_tail)
 
       if stage_out:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

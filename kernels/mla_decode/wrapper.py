@@ -153,7 +153,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # copies the real rows alone and zeroes the rest of its query tile once.
   # Others are padded here to the head group of 64 (an XLA op per call), as
   # every count is with `pad_heads` (the benchmark's A/B).
-  q_rows = heads if heads % 8 == 0 and not pad_heads else heads_padded
+  q_rows = _kernel.query_rows(heads, pad=pad_heads)
   if q_rows != heads:
     q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
   # The kernels clip every plan value and length themselves (a stale or

@@ -64,6 +64,8 @@ from jaxkv.kernels.mla_decode.kernel import (
     ROPE,
     SLOT_HALF,
     bf16_tile,
+    by_head_group,
+    last_group_rows,
     launch,
     load_query,
     query_head,
@@ -160,11 +162,8 @@ def build_kernel(
   stage_out = stage_out and direct and out_dtype == jnp.bfloat16
   last_stage = (num_tiles - 1) % NUM_STAGES
   q_heads = heads_padded if q_heads is None else q_heads
-  assert heads_padded - HEAD_TILE < q_heads <= heads_padded
-  assert q_heads == heads_padded or q_heads % 8 == 0
   head_groups = heads_padded // HEAD_TILE
-  # Real rows of the last head group (HEAD_TILE when the query is padded).
-  tail_heads = q_heads - (heads_padded - HEAD_TILE)
+  tail_heads = last_group_rows(q_heads, heads_padded)
   # Rows of the result: the real heads where the staged stores write them alone.
   out_heads = q_heads if stage_out else heads_padded
 
@@ -375,13 +374,8 @@ def build_kernel(
               if wg == 0:
                 stage_store(lse_stage, lse, lse_ref.at[b, rows], src=lse_stage.at[real])
 
-            if tail_heads == HEAD_TILE:
-              store_whole()
-            else:
-              last = g == head_groups - 1
-              if head_groups > 1:
-                pl.when(~last)(store_whole)
-              pl.when(last)(store_tail)
+            by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
+                          whole=store_whole, tail=store_tail)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           else:
             o_ref[b, heads, cols] = res

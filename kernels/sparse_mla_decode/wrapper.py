@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Shaped
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
 from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
+from jaxkv.kernels.mla_decode.kernel import query_rows
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
@@ -144,7 +145,7 @@ def _sparse_mla_decode(
   # A multiple of 8 heads goes in unpadded (as in dense decode: no XLA pad,
   # and with one split and a staged bf16 result, no slice); `pad_heads` pads
   # every count, as before (the benchmark's A/B).
-  q_heads = heads if heads % 8 == 0 and not pad_heads else heads_padded
+  q_heads = query_rows(heads, pad=pad_heads)
   if q_heads != heads:
     qp = jnp.pad(qp, ((0, 0), (0, heads_padded - heads), (0, 0)))
   rows = cache.reshape(-1, _kernel.HEAD_DIM)
