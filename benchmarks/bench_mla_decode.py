@@ -15,9 +15,7 @@ on-device check then also compares it bitwise with the default), ":mdirect" stor
 merge's bf16 output from registers instead of by TMA from SMEM (checked
 bitwise), ":padded" pads a query of fewer heads than its head groups to
 64 per group in XLA and slices the result (the build before the unpadded
-query; checked bitwise), ":merge" merges the rows' splits in the merge
-kernel where the default joins them in the decode kernel (plans of at most
-`wrapper.JOIN_MAX_SPLITS` splits per row; the check compares the two);
+query; checked bitwise);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -174,10 +172,7 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
-                  "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True),
-                  "merge": dict(join=False), "jlate": dict(join_early=False),
-                  "jsingle": dict(join_pair=False),
-                  "jlatesingle": dict(join_early=False, join_pair=False)}
+                  "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -239,8 +234,7 @@ def check_correctness(rng, variant="default"):
   want_nan = [s % BS != 0 for s in lens_np]
   print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
   ok = all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
-  checks = [check_block_sizes(rng, cfg), check_grouped(rng, kernel_kw), check_join(rng)]
-  return ok and all(checks)
+  return check_block_sizes(rng, cfg) and check_grouped(rng, kernel_kw) and ok
 
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
@@ -314,55 +308,6 @@ def check_grouped(rng, kernel_kw):
     print(f"grouped merge: {len(lens_np)} x {heads}, {plan.num_splits} splits, grouped {taken}"
           f"{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e}")
     ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite
-  return ok
-
-
-def check_join(rng):
-  """Rows joined in the decode kernel (`build_kernel(join=True)`: the default
-  where a plan cuts rows into at most `JOIN_MAX_SPLITS` splits; a row's owner
-  waits on its peers' GMEM semaphores) against the merge path on the same
-  plan, batch 128 on this device's plan: the same NaN elements and the
-  values within a bf16 rounding (the two fold the same f32 partials in the
-  same order, in different kernels), clean and poisoned, both modes, with
-  empty rows; the reference; and 20 repeated calls bit for bit (an owner
-  that read a peer's partial before it landed would differ)."""
-  ok = True
-  batch = 128
-  lens_np = rng.integers(1, 2500, size=batch).astype(np.int32)
-  lens_np[[3, 77, 127]] = 0
-  lens_np[[5, 6]] = [64, 65]
-  lens = jnp.asarray(lens_np)
-  nb = 1 + int((-(-lens_np // BS)).sum())
-  for heads in (64, 128, 16):
-    cache = jax.random.normal(jax.random.key(heads), (nb, BS, D), jnp.bfloat16)
-    q = jax.random.normal(jax.random.key(heads + 1), (batch, heads, D), jnp.bfloat16)
-    table = table_for(rng, lens_np, nb, int(-(-lens_np.max() // BS)))
-    poisoned = poison_tails(cache, table, lens_np)
-    cfg = default_config(batch=batch, num_heads=heads)
-    plan = mla_decode_plan(lens, num_heads=heads, config=cfg)
-    run = jax.jit(lambda c, select, join: _mla_decode(
-        q, c, table, lens, plan, sm_scale=D**-0.5, select=select, interpret=None,
-        kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs, join=join), static_argnums=(1, 2))
-    for c, name in ((cache, "clean"), (poisoned, "poisoned")):
-      for select in (True, False):
-        (jo, jl), (mo, ml) = ([np.asarray(x, np.float32) for x in run(c, select, j)] for j in (True, False))
-        nan_same = np.array_equal(np.isnan(jo), np.isnan(mo)) and np.array_equal(np.isnan(jl), np.isnan(ml))
-        fin = np.isfinite(mo)
-        close = bool((np.abs(jo - mo)[fin] <= 2.0**-7 * np.abs(mo)[fin] + 1e-6).all())
-        lse_err = float(np.nanmax(np.abs(np.where(np.isinf(ml), 0, jl - ml))))
-        empty = bool((jo[lens_np == 0] == 0).all() and (jl[lens_np == 0] == -np.inf).all())
-        print(f"join: {batch} x {heads}, {plan.num_splits} splits, {name} "
-              f"{'select' if select else 'multiply'}: NaN same {nan_same}, within bf16 {close}, "
-              f"lse_err {lse_err:.1e}, empty rows {empty}, NaN rows {int(np.isnan(jo).any(axis=(1, 2)).sum())}")
-        ok = ok and nan_same and close and lse_err < 1e-4 and empty
-    ro, rl = mla_decode_reference(q, poisoned, table, lens, sm_scale=D**-0.5)
-    first = [np.asarray(x) for x in run(poisoned, True, True)]
-    err, lerr, finite = errors(*first, ro, rl)
-    repeats = all(all(np.array_equal(np.asarray(x), f) for x, f in zip(run(poisoned, True, True), first))
-                  for _ in range(20))
-    print(f"join: {heads} heads poisoned select vs reference: rel_err {err:.2e} lse_err {lerr:.2e} "
-          f"finite {finite}; 20 repeats identical {repeats}")
-    ok = ok and err < 1e-2 and lerr < 1e-2 and finite and repeats
   return ok
 
 

@@ -70,8 +70,6 @@ LATENT = 512
 ROPE = 64
 HALF = 256  # value channels per consumer warpgroup; also the TMA box limit
 CLEAN_COLS = 64  # value channels cleaned per register pass
-JOIN_COLS = 64  # value channels a row's owner folds per pass (`build_kernel(join=)`)
-ZERO_COLS = 32  # value channels per store of an unowned row's zeros (by the producer)
 SLOT_HALF = 32  # slots of a block whose scores one consumer warpgroup computes
 NUM_STAGES = 2
 NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
@@ -123,9 +121,6 @@ def build_kernel(
     p_fence: bool | None = None,
     tile_regions: bool = True,
     q_heads: int | None = None,
-    join: bool = False,
-    join_early: bool = True,
-    join_pair: bool = True,
 ):
   """Builds the kernel call.
 
@@ -192,28 +187,6 @@ def build_kernel(
   64 heads (an XLA op of its own per call). The partials keep
   `heads_padded` rows. None: q is padded already.
 
-  `join`: the kernel writes every row's result itself, and no merge runs.
-  The call then takes the plan's bounds `[batch, num_splits + 1]` after
-  row_part and returns `(o, lse, out, lse_out)` as with `finish_rows`, out
-  and lse_out written for every row. A row's result is written by its
-  owner, the part of its last live split (`row_owner`), whose segment of
-  the row each part walks last: the parts walk their rows from the last to
-  the first, so a row cut between parts p and p + 1 is p's first segment
-  and p + 1's last. Every other part that holds some of the row (all of
-  them lower: each owner waits only on CTAs launched before it) stores its
-  f32 partial, each consumer its half and its own copy of the LSE (lse
-  `[batch, num_splits, 2, heads_padded]`), and signals that half's GMEM
-  semaphore (after a warpgroup barrier, with release semantics). Each
-  consumer of the owner waits for its half of each peer, folds them into its
-  own in the order the merge kernel does (`merge_row`: splits in order, its
-  own last), 64 channels at a time, and stores its half of the row in bf16
-  (warpgroup 0 the LSE). Rows no part owns (empty ones, or a stale plan's)
-  get 0 and -inf from the producer of CTA `row % num_parts`. Pays where
-  rows are cut into few splits: the merge's launch and its reads of every
-  partial go, and only the owner's peers write theirs. The interpreter runs
-  CTAs one after another in launch order, so it needs (and has) no
-  semaphores: a peer has finished before its owner starts.
-
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
   SMEM under the 64-byte swizzle and in the interpreter, which needs the
@@ -224,7 +197,6 @@ def build_kernel(
   every tile fences.
   """
   assert block_size in BLOCK_SIZES
-  assert not (join and (finish_rows or partial_cols is not None))
   q_heads = heads_padded if q_heads is None else q_heads
   tail_heads = last_group_rows(q_heads, heads_padded)
   head_groups = heads_padded // HEAD_TILE
@@ -253,14 +225,11 @@ def build_kernel(
       part_rows_ref,  # [num_parts, 2] int32, GMEM
       part_start_ref,  # [num_parts + 1] int32, GMEM
       row_part_ref,  # [batch] int32, GMEM
-      *refs,  # with join: bounds [batch, num_splits + 1] int32, GMEM; then
-      # o [batch, num_splits, heads_padded, 512] f32 (or split_outputs' wide
-      # layout), lse [batch, num_splits, heads_padded] f32 (likewise), and
-      # with finish_rows or join out [batch, heads_padded, 512] bf16 and
+      o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM (or split_outputs' wide layout)
+      lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM (or split_outputs' wide layout)
+      *finished,  # with finish_rows: out [batch, heads_padded, 512] bf16 and
       # lse_out [batch, heads_padded] f32, GMEM: the rows finished here
   ):
-    bounds_ref = refs[0] if join else None
-    o_ref, lse_ref, *finished = refs[1:] if join else refs
     g = lax.axis_index("g")
     part = lax.axis_index("p")
     # A stale or foreign plan must not walk past a row's own blocks, the
@@ -278,58 +247,6 @@ def build_kernel(
     def seq_len(row):
       return jnp.clip(seq_lens_ref[row], 0, max_tokens)
 
-    def row_tiles(row):
-      return (seq_len(row) + TILE - 1) // TILE
-
-    # With join, the kernel's semaphores, one per (row, head group, split,
-    # consumer): zeroed by the launch, signalled by that consumer once its
-    # half of the split's partial (and its copy of the LSE) is in GMEM.
-    sems = None
-    if join and interpret is None:
-      sems = pl.get_global(plgpu.SemaphoreType.REGULAR((batch, head_groups, num_splits, 2)))
-
-    def row_owner(row):
-      """(the part that writes the row's result, its live splits): the part
-      of the row's last live split (the plan's bounds clipped to the row, as
-      the merge reads them), which the plan puts where the row's last tile
-      is."""
-      nt = row_tiles(row)
-      n = live_splits(lambda j: jnp.clip(bounds_ref[row, j], 0, nt), num_splits)
-      return row_part_ref[row] + jnp.maximum(n - 1, 0), n
-
-    def holds(pp, row):
-      """Whether part `pp` walks a non-empty segment of `row`: the test
-      that CTA makes itself (its plan values clipped as `segment` clips
-      them), made here for another part; False outside `[0, num_parts)`."""
-      ok = (pp >= 0) & (pp < num_parts)
-      pp = jnp.clip(pp, 0, num_parts - 1)
-      b = jnp.clip(part_start_ref[pp], 0, total)
-      e = jnp.clip(part_start_ref[pp + 1], b, total)
-      lo_row = jnp.clip(part_rows_ref[pp, 0], 0, batch)
-      hi_row = jnp.clip(part_rows_ref[pp, 1], lo_row, batch)
-      rs, nt = row_start_ref[row], row_tiles(row)
-      lo = jnp.clip(b - rs, 0, nt)
-      return ok & (lo_row <= row) & (row < hi_row) & (jnp.clip(e - rs, lo, nt) > lo)
-
-    def row_join(row):
-      """(whether this part writes the row's result, a bit per earlier split
-      j < num_splits - 1 of the row whose part walked it, `holds`, and so
-      wrote its partial)."""
-      owner, live = row_owner(row)
-      first = row_part_ref[row]
-      mask = jnp.int32(0)
-      for j in range(num_splits - 1):
-        wrote = holds(first + j, row) & (j < live - 1)
-        mask = mask | (wrote.astype(jnp.int32) << j)
-      return owner == part, mask
-
-    def rows_walked(body, init):
-      # Every part walks its rows in order, and with join from the last to
-      # the first (its owned row, cut with the part before, comes last).
-      if not join:
-        return lax.fori_loop(row_lo, row_hi, body, init)
-      return lax.fori_loop(0, row_hi - row_lo, lambda k, c: body(row_hi - 1 - k, c), init)
-
     def segment(row):
       """The row's tiles in this part: (first tile, count, split index, whole).
 
@@ -339,7 +256,7 @@ def build_kernel(
       None without `finish_rows`.
       """
       rs = row_start_ref[row]
-      ntiles = row_tiles(row)
+      ntiles = (seq_len(row) + TILE - 1) // TILE
       lo = jnp.clip(beg - rs, 0, ntiles)
       hi = jnp.clip(end - rs, lo, ntiles)
       split = jnp.clip(part - row_part_ref[row], 0, num_splits - 1)
@@ -347,25 +264,6 @@ def build_kernel(
       if finish_rows:
         whole = (part == row_part_ref[row]) & (lo == 0) & (hi == ntiles)
       return lo, hi - lo, split, whole
-
-    def write_unowned_rows():
-      """0 and -inf (an empty row's result) for this head group of the rows
-      `part, part + num_parts, ...` whose owner does not walk them: empty
-      rows, and under a stale plan rows no part owns. Every row's result is
-      then written exactly once, here or by its owner (the same test)."""
-      out_ref, lse_out_ref = finished
-
-      @pl.loop(part, batch, step=num_parts)
-      def _(row):
-        owner, _ = row_owner(row)
-
-        @pl.when(~holds(owner, row))
-        def _():
-          zeros = plgpu.layout_cast(jnp.zeros((HEAD_TILE, ZERO_COLS), dtype), plgpu.Layout.WGMMA)
-          for c in range(LATENT // ZERO_COLS):
-            out_ref[row, heads, pl.ds(c * ZERO_COLS, ZERO_COLS)] = zeros
-          lse_out_ref[row, heads] = plgpu.layout_cast(
-              jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg,
                q_bar, kv_bar, free_bar, sync_bar, q_free_bar,
@@ -444,11 +342,9 @@ def build_kernel(
 
           return steps + n, segs + (n > 0).astype(jnp.int32)
 
-        steps, segs = rows_walked(produce, (jnp.int32(0), jnp.int32(0)))
-        if join:
-          # Idle until the consumers release the last stages: the rows no
-          # part owns.
-          write_unowned_rows()
+        steps, segs = lax.fori_loop(
+            row_lo, row_hi, produce, (jnp.int32(0), jnp.int32(0))
+        )
 
         # Observe the release of the last query and stages too: every waiter
         # of a barrier must see each of its phases.
@@ -530,10 +426,6 @@ def build_kernel(
 
         def consume(row, steps):
           lo, n, split, whole = segment(row)
-          # With join, who writes the row and which earlier splits wrote
-          # partials: scalar loads from GMEM, made here rather than at the
-          # segment's end, where they would wait in line.
-          joined = row_join(row) if join and join_early else None
 
           @pl.when(n > 0)
           def _():
@@ -560,11 +452,11 @@ def build_kernel(
             )
             acc, m_i, l_own = step(n - 1, carry, last=True)
             with jax.named_scope("epilogue"):
-              finish(row, split, whole, acc, m_i, l_own, joined)
+              finish(row, split, whole, acc, m_i, l_own)
 
           return steps + n
 
-        def finish(row, split, whole, acc, m_i, l_own, joined):
+        def finish(row, split, whole, acc, m_i, l_own):
           # The exchange rows serve the next segment's maxima too.
           with jax.named_scope("row_sums"):
             l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
@@ -579,31 +471,11 @@ def build_kernel(
               per = HALF // partial_cols
               for k in range(per):
                 o_ref[row, wg * per + k, g, split] = o[:, k * partial_cols:(k + 1) * partial_cols]
-            if join:  # each consumer's own copy: its owner reads only its half
-              lse_ref[row, split, wg, heads] = lse
-            elif wg == 0:
+            if wg == 0:
               if partial_cols is None:
                 lse_ref[row, split, heads] = lse
               else:
                 lse_ref[row, g, split] = lse
-
-          if join:
-            owner, mask = joined if join_early else row_join(row)
-
-            @pl.when(owner)
-            def _():
-              with jax.named_scope("join"):
-                join_row(row, mask, o, lse)
-
-            @pl.when(~owner)
-            def _():
-              partial()
-              if sems is not None:
-                # Every thread's stores before the release (a warpgroup
-                # barrier; the signal is one thread's red.release.gpu).
-                plgpu.commit_smem()
-                plgpu.semaphore_signal(sems.at[row, g, split, wg], 1, memory_scope="gpu")
-            return
 
           if whole is None:
             partial()
@@ -619,71 +491,8 @@ def build_kernel(
 
           pl.when(~whole)(partial)
 
-        def join_row(row, mask, o, lse):
-          """The owner's end of a row: this segment's result (o `[64, 256]`
-          normalised, lse natural) and the partials of the row's earlier
-          splits j whose bit is set in `mask` (parts `row_part[row] + j`
-          that walked the row; none for a whole row), folded as
-          `merge.merge_row` folds a row's splits (ours first here) and
-          stored in bf16 with the LSE."""
-          out_ref, lse_out_ref = finished
-          row_layout = plgpu.Layout.WGMMA.reduce(1)
-          chunks = HALF // JOIN_COLS
-          chans = [pl.ds(wg * HALF + c * JOIN_COLS, JOIN_COLS) for c in range(chunks)]
-          ours = 1 + 0 * lse  # the weight of our split at our own maximum
-          carry = (tuple(o[:, c * JOIN_COLS:(c + 1) * JOIN_COLS] for c in range(chunks)),
-                   lse * _LOG2E, ours)
-          for j in range(num_splits - 1):
-            live = (mask >> j) & 1 == 1
-            if sems is not None:
-              pl.when(live)(lambda j=j: plgpu.semaphore_wait(
-                  sems.at[row, g, j, wg], 1, decrement=False, memory_scope="gpu"))
-
-            def add(carry, j=j):  # `merge_row`'s step, two chunks' loads at a time
-              acc, m, l = carry
-              lse_j = plgpu.load(lse_ref.at[row, j, wg, heads], layout=row_layout,
-                                 optimized=False) * _LOG2E
-              m_new = jnp.maximum(m, lse_j)
-              alpha = jnp.exp2(m - m_new)
-              w = jnp.exp2(lse_j - m_new)
-              new = []
-              per = 2 if join_pair else 1
-              for c0 in range(0, chunks, per):
-                o_j = [plgpu.load(o_ref.at[row, j, heads, chans[c]], layout=plgpu.Layout.WGMMA,
-                                  optimized=False) for c in range(c0, c0 + per)]
-                for c, o_c in zip(range(c0, c0 + per), o_j):
-                  new.append(acc[c] * lax.broadcast_in_dim(alpha, o_c.shape, [0])
-                             + o_c * lax.broadcast_in_dim(w, o_c.shape, [0]))
-              return tuple(new), m_new, l * alpha + w
-
-            carry = lax.cond(live, add, lambda carry: carry, carry)
-          acc, m, l = carry
-          results = [softmax_finish(a, m, l) for a in acc]
-          outs = [r[0].astype(dtype) for r in results]
-
-          # The part's last segment stages its half in its query tile (no
-          # query comes after it; both consumers' QKs are done, as the row
-          # sums' rendezvous says) and stores it by TMA: whole rows, where a
-          # warp's 16-bit stores from registers cover half of each sector.
-          @pl.when(row == row_lo)
-          def _():
-            for c in range(chunks):
-              q_lat[wg, :, pl.ds(c * JOIN_COLS, JOIN_COLS)] = outs[c]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_lat.at[wg], out_ref.at[row, heads, pl.ds(wg * HALF, HALF)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-          @pl.when(row != row_lo)
-          def _():
-            for c in range(chunks):
-              out_ref[row, heads, chans[c]] = outs[c]
-
-          if wg == 0:  # a whole row's LSE as its segment has it
-            pl.when(mask == 0)(lambda: lse_out_ref.__setitem__((row, heads), lse))
-            pl.when(mask != 0)(lambda: lse_out_ref.__setitem__((row, heads), results[0][1]))
-
         seesaw_begin(wg, bars)
-        rows_walked(consume, jnp.int32(0))
+        lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
         seesaw_end(wg, bars)
 
       for w in range(2):
@@ -717,23 +526,14 @@ def build_kernel(
       grid=(num_parts, heads_padded // HEAD_TILE),
       grid_names=("p", "g"),
       out_type=(
-          *split_outputs(batch, num_splits, heads_padded, partial_cols, lse_halves=join),
+          *split_outputs(batch, num_splits, heads_padded, partial_cols),
           *([jax.ShapeDtypeStruct((batch, heads_padded, LATENT), dtype),
-             jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32)] if finish_rows or join else []),
+             jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32)] if finish_rows else []),
       ),
       kernel_name="jaxkv_mla_decode",
       interpret=interpret,
       profile_dir=profile_dir,
   )
-
-
-def live_splits(bound, span: int):
-  """How many of a row's `span` splits are non-empty (`bound(j)`: the row's
-  clipped bound j). Unrolled: each bound is a scalar load from GMEM, and in a
-  loop each load waited for the one before it (the grouped merge of a
-  67-split row on the H200: 10.0 -> 8.1 µs unrolled; NOTES.md)."""
-  bounds = [bound(j) for j in range(span + 1)]
-  return sum((hi > lo).astype(jnp.int32) for lo, hi in zip(bounds, bounds[1:]))
 
 
 def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=None):
@@ -1143,18 +943,17 @@ def stage_store(buf, value, dst, *, src=None):
   plgpu.copy_smem_to_gmem(buf if src is None else src, dst)
 
 
-def split_outputs(batch, num_splits, heads_padded, partial_cols=None, lse_halves=False):
+def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
   """Each split's normalised partial O and its LSE, float32: O
   `[batch, num_splits, heads_padded, 512]` and LSE `[batch, num_splits,
   heads_padded]`, or with `partial_cols` O `[batch, 512 / partial_cols,
   heads_padded / 64, num_splits, 64, partial_cols]` and LSE `[batch,
   heads_padded / 64, num_splits, 64]` (`merge.wide_partials` of the first
-  two). With `lse_halves` (`build_kernel(join=True)`), LSE `[batch,
-  num_splits, 2, heads_padded]`: each consumer's copy."""
+  two)."""
   groups = heads_padded // HEAD_TILE
   if partial_cols is None:
     o_shape = (batch, num_splits, heads_padded, LATENT)
-    lse_shape = (batch, num_splits, *((2,) if lse_halves else ()), heads_padded)
+    lse_shape = (batch, num_splits, heads_padded)
   else:
     o_shape = (batch, LATENT // partial_cols, groups, num_splits, HEAD_TILE, partial_cols)
     lse_shape = (batch, groups, num_splits, HEAD_TILE)

@@ -48,7 +48,6 @@ from .kernel import (
     TILE,
     by_head_group,
     last_group_rows,
-    live_splits,
     softmax_finish,
     softmax_start,
     stage_store,
@@ -186,6 +185,15 @@ def chunk_edges(num_splits: int, chunk: int) -> np.ndarray:
 def chunk_edge(k, chunk: int, num_splits: int):
   """`chunk_edges(num_splits, chunk)[k]` for a traced `k` (in the merge kernel)."""
   return jnp.where(k == 0, 0, jnp.minimum(1 + (k - 1) * chunk, num_splits))
+
+
+def live_splits(bound, span: int):
+  """How many of a row's `span` splits are non-empty (`bound(j)`: the row's
+  clipped bound j). Unrolled: each bound is a scalar load from GMEM, and in a
+  loop each load waited for the one before it (the grouped merge of a
+  67-split row on the H200: 10.0 -> 8.1 µs unrolled; NOTES.md)."""
+  bounds = [bound(j) for j in range(span + 1)]
+  return sum((hi > lo).astype(jnp.int32) for lo, hi in zip(bounds, bounds[1:]))
 
 
 def kernel_wrote_row(ntiles, first, second):

@@ -27,11 +27,6 @@ from .reference import MASK_MODES
 
 SUPPORTED_BLOCK_SIZES = _kernel.BLOCK_SIZES
 MAX_HEADS = 128
-# Plans of at most this many splits per row join them in the decode kernel
-# (`build_kernel(join=True)`: a row's owner folds its peers' partials, and no
-# merge runs); rows of more splits would leave their owner that many
-# partials to read at the end of its part, and go to the merge.
-JOIN_MAX_SPLITS = 4
 
 
 def _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, config):
@@ -145,11 +140,10 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "join", "join_early", "join_pair"))
+                              "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                stage_merge_out=True, pad_heads=False, join=None, join_early=True, join_pair=True):
+                stage_merge_out=True, pad_heads=False):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -164,28 +158,6 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
   # The kernels clip every plan value and length themselves (a stale or
   # foreign plan cannot walk past a row's blocks): no XLA op per call.
-  # Rows of few splits are joined in the decode kernel itself: no merge
-  # launch, and only the splits before a row's last are written as partials
-  # (and read once, by the row's owner). `join` forces it on or off (the
-  # benchmark's A/B); the other knobs below are the merge's.
-  # A query padded to its head groups (16 heads: 128 at tensor parallelism
-  # 8) stays on the merge, which stores the real heads alone: joined rows go
-  # out in whole head groups, and the slices of the padded result cost more
-  # than the join saves (128 x 16 x 4K on the H200: 0.180 ms against 0.174).
-  # Measured slower than the merge on the H200 (ptxas spills the join's fold
-  # beside the accumulator): off unless asked for.
-  if join is None:
-    join = False
-  if join:
-    call = _kernel.build_kernel(
-        batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
-        num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
-        select=select, interpret=interpret, kv_swizzle=kv_swizzle, q_regs=q_regs,
-        p_fence=p_fence, q_heads=q_rows, join=True, join_early=join_early, join_pair=join_pair,
-    )
-    _, _, out, lse_out = call(q, cache, block_table, seq_lens, plan.row_start, plan.part_rows,
-                              plan.part_start, plan.row_part, plan.bounds)
-    return _real_heads(out, lse_out, heads)
   # More rows than parts: parts outgrow rows and many rows are one segment,
   # which the kernel then finishes itself (out / lse_out; the splits of the
   # other rows come back in o / lse). Otherwise few rows are whole, and what
