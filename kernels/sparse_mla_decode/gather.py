@@ -64,8 +64,10 @@ def issue_gather(
       arrivals): each thread's arrival is its copies' completion
       (`cp.async.mbarrier.arrive.noinc`), so the phase completes when the
       whole tile has landed and nobody waits for it here.
-    scratch: `[4]` int32 SMEM ref with `null_once` (the caller orders its
-      reuse across calls with a warpgroup barrier), else None.
+    scratch: `[4]` int32 SMEM ref with `null_once`, holding each warp's
+      first negative row of `ids` (`first_negative`, called before; the
+      caller orders the scratch's reuse across tiles with a warpgroup
+      barrier), else None.
     tile: rows per call, a multiple of 16.
     transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
     null_once: see `ids`.
@@ -137,17 +139,10 @@ def issue_gather(
     rows = [arith.addi(row0, c32(p * ROWS_PER_PASS)) for p in range(passes)]
     load_id = lambda r: memref.load(ids_ref, [arith.index_cast(index, r)])
     if null_once:
-      # The tile's first negative id (`tile` if none): each thread's first
-      # among its rows, the warp's by one `redux.sync`, the warpgroup's
-      # through `scratch` (4 ints) and a warpgroup barrier.
+      # The tile's first negative id (`tile` if none): the warps' firsts,
+      # which `first_negative` left in `scratch`, met after a warpgroup
+      # barrier.
       raws = [load_id(r) for r in rows]
-      first = c32(tile)
-      for r, raw in reversed(list(zip(rows, raws))):
-        first = arith.select(arith.cmpi(arith.CmpIPredicate.slt, raw, c32(0)), r, first)
-      first = nvvm.redux_sync(first, mgpu_utils.ReductionKind.MIN, c32(-1))
-      warp = arith.divui(t, c32(32))
-      with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(t, c32(32)), c32(0))):
-        memref.store(first, scratch_ref, [arith.index_cast(index, warp)])
       mgpu_utils.warpgroup_barrier()
       first = c32(tile)
       for w in range(4):
@@ -183,6 +178,37 @@ def issue_gather(
     nvvm.cp_async_mbarrier_arrive(mgpu_utils.memref_ptr(bar_ref), noinc=True)
 
   _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *([scratch] if null_once else []))
+
+
+def first_negative(ids, scratch, *, tile: int) -> None:
+  """Leaves in `scratch[w]` (`[4]` int32 SMEM) the first row of `ids` (`[tile]`
+  int32 SMEM) holding a negative id among the rows warp w's threads copy in
+  `issue_gather` (`tile` if none): each thread's first among its rows, then
+  the warp's by one `redux.sync`. `issue_gather(null_once=True)` meets the
+  four after a warpgroup barrier. Apart from it so that the producer scans
+  a tile's ids while it waits for a free stage, not after.
+
+  Called by all 128 threads of one warpgroup, compiled only.
+  """
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+  def _scan(_ctx, ids_ref, scratch_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+    c32 = lambda v: mgpu_utils.c(v, i32)
+    t = arith.remui(mgpu_utils.thread_idx(), c32(128))
+    row0 = arith.divui(t, c32(LANES_PER_ROW))
+    rows = [arith.addi(row0, c32(p * ROWS_PER_PASS)) for p in range(tile // ROWS_PER_PASS)]
+    first = c32(tile)
+    for r in reversed(rows):
+      raw = memref.load(ids_ref, [arith.index_cast(index, r)])
+      first = arith.select(arith.cmpi(arith.CmpIPredicate.slt, raw, c32(0)), r, first)
+    first = nvvm.redux_sync(first, mgpu_utils.ReductionKind.MIN, c32(-1))
+    warp = arith.divui(t, c32(32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(t, c32(32)), c32(0))):
+      memref.store(first, scratch_ref, [arith.index_cast(index, warp)])
+
+  _scan(ids, scratch)
 
 
 def zero_fill(*refs, transforms) -> None:

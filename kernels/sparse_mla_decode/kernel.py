@@ -85,6 +85,7 @@ from jaxkv.kernels.mla_decode.kernel import (
 )
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
+    first_negative,
     init_barriers,
     issue_gather,
     wait_barrier,
@@ -240,9 +241,15 @@ def build_kernel(
           k_rope[...] = jnp.zeros(k_rope.shape, dtype)
         plgpu.commit_smem()
 
+        # Compiled "multiply" scans a tile's ids for its first -1 before it
+        # waits for the tile's stage (`first_negative`): the scan then runs
+        # while the consumers still read that stage, not after.
+        scan_early = compiled and not select
+
         def gather(tile, stage):
           ring = lax.rem(tile, IDX_STAGES)
-          plgpu.barrier_wait(idx_bar.at[ring])
+          if not scan_early:
+            plgpu.barrier_wait(idx_bar.at[ring])
           # The tile's indices travel with its rows: the consumers mask by them.
           tile_idx = idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)]
           if compiled:
@@ -292,6 +299,10 @@ def build_kernel(
         @pl.loop(0, num_tiles)
         def _(i):
           stage = lax.rem(i, NUM_STAGES)
+          if scan_early:
+            ring = lax.rem(i, IDX_STAGES)
+            plgpu.barrier_wait(idx_bar.at[ring])
+            first_negative(ids.at[ring], scratch, tile=TILE)
           pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
           gather(i, stage)
           # Every thread's reads of the tile's ids before their refill (the
