@@ -39,6 +39,7 @@ PIECE = 16  # bytes per cp.async
 LANES_PER_ROW = 8  # threads per 128-byte span of a row
 ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
 SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
+WARPS = 4  # per warpgroup
 
 
 def issue_gather(
@@ -64,10 +65,10 @@ def issue_gather(
       arrivals): each thread's arrival is its copies' completion
       (`cp.async.mbarrier.arrive.noinc`), so the phase completes when the
       whole tile has landed and nobody waits for it here.
-    scratch: `[4]` int32 SMEM ref with `null_once`, holding each warp's
-      first negative row of `ids` (`first_negative`, called before; the
-      caller orders the scratch's reuse across tiles with a warpgroup
-      barrier), else None.
+    scratch: `[4 + 128]` int32 SMEM ref with `null_once`, holding in slot
+      `4 + t` thread t's copy of the first row of `ids` with a negative id
+      (`first_negative`, called before; the caller orders the scratch's
+      reuse across tiles with a warpgroup barrier), else None.
     tile: rows per call, a multiple of 16.
     transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
     null_once: see `ids`.
@@ -139,14 +140,10 @@ def issue_gather(
     rows = [arith.addi(row0, c32(p * ROWS_PER_PASS)) for p in range(passes)]
     load_id = lambda r: memref.load(ids_ref, [arith.index_cast(index, r)])
     if null_once:
-      # The tile's first negative id (`tile` if none): the warps' firsts,
-      # which `first_negative` left in `scratch`, met after a warpgroup
-      # barrier.
+      # The tile's first negative id (`tile` if none), which `first_negative`
+      # left in this thread's own slot of `scratch`.
       raws = [load_id(r) for r in rows]
-      mgpu_utils.warpgroup_barrier()
-      first = c32(tile)
-      for w in range(4):
-        first = arith.minsi(first, memref.load(scratch_ref, [arith.constant(index, w)]))
+      first = memref.load(scratch_ref, [arith.index_cast(index, arith.addi(t, c32(WARPS)))])
     for p, r in enumerate(rows):
       # "select" loads each id just before its row's copies (measured: 3%
       # faster than loading the four up front).
@@ -181,14 +178,16 @@ def issue_gather(
 
 
 def first_negative(ids, scratch, *, tile: int) -> None:
-  """Leaves in `scratch[w]` (`[4]` int32 SMEM) the first row of `ids` (`[tile]`
-  int32 SMEM) holding a negative id among the rows warp w's threads copy in
-  `issue_gather` (`tile` if none): each thread's first among its rows, then
-  the warp's by one `redux.sync`. `issue_gather(null_once=True)` meets the
-  four after a warpgroup barrier. Apart from it so that the producer scans
-  a tile's ids while it waits for a free stage, not after.
+  """Leaves the first row of `ids` (`[tile]` int32 SMEM) holding a negative id
+  (`tile` if none) in every thread's own slot `4 + t` of `scratch` (`[4 +
+  128]` int32 SMEM), where `issue_gather(null_once=True)` reads it: each
+  thread's first among the rows it copies, the warp's by one `redux.sync`,
+  the four warps' through `scratch[:4]` and a warpgroup barrier. Apart from
+  `issue_gather` so that the producer scans a tile's ids before it waits for
+  a free stage, and copies at once when the stage comes free.
 
-  Called by all 128 threads of one warpgroup, compiled only.
+  Called by all 128 threads of one warpgroup, compiled only; the caller
+  orders the scratch's reuse across tiles with a warpgroup barrier.
   """
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
@@ -207,6 +206,11 @@ def first_negative(ids, scratch, *, tile: int) -> None:
     warp = arith.divui(t, c32(32))
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(t, c32(32)), c32(0))):
       memref.store(first, scratch_ref, [arith.index_cast(index, warp)])
+    mgpu_utils.warpgroup_barrier()
+    first = c32(tile)
+    for w in range(WARPS):
+      first = arith.minsi(first, memref.load(scratch_ref, [arith.constant(index, w)]))
+    memref.store(first, scratch_ref, [arith.index_cast(index, arith.addi(t, c32(WARPS)))])
 
   _scan(ids, scratch)
 

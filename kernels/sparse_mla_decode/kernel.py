@@ -192,8 +192,9 @@ def build_kernel(
       # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
       # stage_idx [stages, 64] int32: each stage's indices (-1: masked);
       # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
-      # stage: its tile's copies landed) and in "multiply" scratch [4] int32
-      # (the producer's warps' first -1 of a tile); interpreted, the RoPE
+      # stage: its tile's copies landed) and in "multiply" scratch [4 + 128]
+      # int32 (`gather.first_negative`: a tile's first -1, per warp, then a
+      # copy per producer thread); interpreted, the RoPE
       # query's buffer and ready_bar (a stage's copies landed).
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
@@ -403,7 +404,7 @@ def build_kernel(
     if compiled:
       extra = [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
-          *([] if select else [plgpu.SMEM((4,), jnp.int32)]),
+          *([] if select else [plgpu.SMEM((4 + 128,), jnp.int32)]),
       ]
     else:
       # A stage is ready when the tile's 3 copies per row and its indices'
