@@ -903,6 +903,15 @@ def query_rows(heads: int, *, pad: bool = False) -> int:
   return heads if heads % 8 == 0 and not pad else -(-heads // HEAD_TILE) * HEAD_TILE
 
 
+def real_heads(out, lse, heads: int):
+  """A result's first `heads` rows (`out` `[batch, rows, dv]`, `lse` `[batch,
+  rows]`): no op where a kernel wrote the real heads alone, else a slice of
+  the padded result (an XLA op per output)."""
+  if out.shape[1] == heads:
+    return out, lse
+  return out[:, :heads], lse[:, :heads]
+
+
 def last_group_rows(heads: int, heads_padded: int) -> int:
   """Real rows of the last head group of 64 when `heads` (`query_rows`) of
   `heads_padded` are real: 64 when none is padding."""

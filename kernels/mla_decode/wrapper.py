@@ -212,7 +212,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
         edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, **merge_args
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
-    return _real_heads(out, lse_out, heads)
+    return _kernel.real_heads(out, lse_out, heads)
   # A row's live splits are its first ones; the merge reads those alone,
   # never the unwritten rest, and writes the rows the kernel did not: by TMA
   # from SMEM (`stage_merge_out`; from registers, its bf16 stores cost the
@@ -222,11 +222,4 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       stage_out=stage_merge_out, out_heads=out_rows, **tiling, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
-  return _real_heads(out, lse_out, heads)
-
-
-def _real_heads(out, lse_out, heads):
-  # A padded result's real heads (no op where the merge wrote them alone).
-  if out.shape[1] == heads:
-    return out, lse_out
-  return out[:, :heads], lse_out[:, :heads]
+  return _kernel.real_heads(out, lse_out, heads)

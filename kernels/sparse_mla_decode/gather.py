@@ -40,6 +40,8 @@ LANES_PER_ROW = 8  # threads per 128-byte span of a row
 ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
 SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 WARPS = 4  # per warpgroup
+# int32s of `first_negative`'s SMEM scratch: a slot per warp, then one per thread.
+FIRST_NEGATIVE_SCRATCH = WARPS + 128
 
 
 def issue_gather(

@@ -85,6 +85,7 @@ from jaxkv.kernels.mla_decode.kernel import (
 )
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
+    FIRST_NEGATIVE_SCRATCH,
     first_negative,
     init_barriers,
     issue_gather,
@@ -404,7 +405,7 @@ def build_kernel(
     if compiled:
       extra = [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
-          *([] if select else [plgpu.SMEM((4 + 128,), jnp.int32)]),
+          *([] if select else [plgpu.SMEM((FIRST_NEGATIVE_SCRATCH,), jnp.int32)]),
       ]
     else:
       # A stage is ready when the tile's 3 copies per row and its indices'

@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Shaped
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
 from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
-from jaxkv.kernels.mla_decode.kernel import query_rows
+from jaxkv.kernels.mla_decode.kernel import query_rows, real_heads
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
@@ -164,9 +164,7 @@ def _sparse_mla_decode(
   )
   o, lse = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
-    if o.shape[1] == heads:
-      return o, lse
-    return o[:, :heads], lse[:, :heads]
+    return real_heads(o, lse, heads)
   # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32. In
   # "multiply", a split of -1s only that met a NaN null block poisons its
   # row, as in production kernels' merge.
