@@ -15,9 +15,7 @@ on-device check then also compares it bitwise with the default), ":mdirect" stor
 merge's bf16 output from registers instead of by TMA from SMEM (checked
 bitwise), ":padded" pads a query of fewer heads than its head groups to
 64 per group in XLA and slices the result (the build before the unpadded
-query; checked bitwise), ":tahead" reads each tile's block ids before the
-wait for its stage, not after (`_mla_decode(table_ahead=True)`; checked
-bitwise);
+query; checked bitwise);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -174,8 +172,7 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
-                  "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True),
-                  "tahead": dict(table_ahead=True)}
+                  "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -242,7 +239,7 @@ def check_correctness(rng, variant="default"):
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
 SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False),
-               "padded": dict(pad_heads=True), "tahead": dict(table_ahead=True)}
+               "padded": dict(pad_heads=True)}
 
 
 def check_same_result(rng, names):

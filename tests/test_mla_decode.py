@@ -968,46 +968,6 @@ def test_merge_output_staged_in_smem_matches_direct_stores(splits, grouped, sms,
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("bs", [32, 64])
-def test_block_ids_read_ahead_of_the_stage_wait_match(bs):
-  """`_mla_decode(table_ahead=True)` (the benchmark's ":tahead"): the producer
-  reads a tile's block ids before it waits for the tile's stage. The same
-  copies, so bit for bit the default's result over parts of several
-  segments, clean in "select" (and the reference's) and poisoned in
-  "multiply"; at block size 32 a tile's two blocks, the row's last one
-  repeated past its end. It lowers for CUDA."""
-  from jaxkv.kernels.mla_decode import kernel
-  from jaxkv.kernels.mla_decode.wrapper import _mla_decode
-
-  seq_lens = [3 * BS + 9, 0, 2 * BS - 3, BS + 1]
-  q, cache, table, lens = _problem(41, seq_lens, 64, bs=bs)
-  config = MLADecodeConfig(num_splits=3, min_chunk_blocks=1, split_overhead_tiles=0)
-  plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, block_size=bs, config=config, num_sms=4)
-  poisoned, _ = _poison(cache, table, lens)
-
-  def run(c, select, ahead):
-    return _mla_decode(
-        q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens), plan,
-        sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64, q_regs=0,
-        table_ahead=ahead)
-
-  for c, select in ((cache, True), (poisoned, False)):
-    (out, lse), (want, want_lse) = run(c, select, True), run(c, select, False)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
-    if select:
-      _assert_close((out, lse), _ref(q, cache, table, lens))
-  decode = kernel.build_kernel(
-      batch=2, heads_padded=64, num_parts=4, num_splits=3, block_size=bs, sm_scale=SCALE,
-      select=True, interpret=None, kv_swizzle=128, table_ahead=True,
-  )
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  args = (jax.ShapeDtypeStruct((2, 64, 576), jnp.bfloat16),
-          jax.ShapeDtypeStruct((16, bs, 576), jnp.bfloat16),
-          i32(2, 8), i32(2), i32(3), i32(4, 2), i32(5), i32(2))
-  assert "mosaic_gpu" in jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def _call_ops(heads, seq_lens, config, num_sms=132):
   """The primitives of one `mla_decode` call's jitted body (one level in: the
   kernels are one op each; what else runs is XLA ops of its own)."""

@@ -121,7 +121,6 @@ def build_kernel(
     p_fence: bool | None = None,
     tile_regions: bool = True,
     q_heads: int | None = None,
-    table_ahead: bool = False,
 ):
   """Builds the kernel call.
 
@@ -187,13 +186,6 @@ def build_kernel(
   wgmma row and softmax row is its own). This saves the caller's pad of q to
   64 heads (an XLA op of its own per call). The partials keep
   `heads_padded` rows. None: q is padded already.
-
-  `table_ahead`: the producer reads a tile's block ids from the block table
-  (scalar loads from GMEM) before it waits for the tile's stage to come
-  free, not after, so that the latency of those loads is not between the
-  stage's release and its copies (sparse decode's producer gained 6% at
-  128 heads from moving its work ahead of that wait). Bit-identical on the
-  H200, not yet timed: off until it is (kernels/mla_decode/NOTES.md).
 
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
@@ -344,16 +336,12 @@ def build_kernel(
             def _(i):
               step = steps + i
               slot = lax.rem(step, NUM_STAGES)
-              # With `table_ahead`, the tile's block ids are read while the
-              # stage is still in use, so that its copies can go out as soon
-              # as it comes free.
-              srcs = sources(row, lo + i) if table_ahead else None
               with jax.named_scope("stage_wait"):
                 pl.when(step >= NUM_STAGES)(
                     lambda: plgpu.barrier_wait(free_bar.at[slot])
                 )
               with jax.named_scope("issue"):
-                issue(srcs if table_ahead else sources(row, lo + i), slot)
+                issue(sources(row, lo + i), slot)
 
           return steps + n, segs + (n > 0).astype(jnp.int32)
 

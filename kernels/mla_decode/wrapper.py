@@ -140,11 +140,10 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "table_ahead"))
+                              "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                stage_merge_out=True, pad_heads=False, table_ahead=False):
+                stage_merge_out=True, pad_heads=False):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -190,7 +189,6 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
       q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence, q_heads=q_rows,
-      table_ahead=table_ahead,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
