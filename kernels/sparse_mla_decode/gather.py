@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
 
 HEAD_DIM = 576
 LATENT = 512
@@ -44,6 +48,59 @@ WARPS = 4  # per warpgroup
 FIRST_NEGATIVE_SCRATCH = WARPS + 128
 
 
+def _row_ids_shape(tile: int) -> tuple[int]:
+  return (128 * (tile // ROWS_PER_PASS),)  # one int per thread and row it copies
+
+
+def _row_ids_layout(tile: int):
+  # Thread t's register p is the id of its row t // 8 + 16 p (`row_ids`).
+  return plgpu.Layout.WG_STRIDED(_row_ids_shape(tile), vec_size=1)
+
+
+def _thread_rows(tile: int):
+  """This thread's rows of a tile (inside an `inline_mgpu` body): row t // 8,
+  then every 16th, the rows whose 16-byte pieces `issue_gather` copies."""
+  i32 = ir.IntegerType.get_signless(32)
+  t = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+  row0 = arith.divui(t, mgpu_utils.c(LANES_PER_ROW, i32))
+  return [arith.addi(row0, mgpu_utils.c(p * ROWS_PER_PASS, i32))
+          for p in range(tile // ROWS_PER_PASS)]
+
+
+def row_ids(ids, *, tile: int) -> jax.Array:
+  """The ids of the rows each thread copies, from `ids` (`[tile]` int32 SMEM)
+  into registers: an int32 array whose register p in thread t is
+  `ids[t // 8 + 16 p]`, for `first_negative` and `issue_gather`.
+
+  Loaded before the producer waits for the tile's stage, so that the copies
+  start at once when it comes free: the values stay in registers across the
+  wait (four per thread). Called by all 128 threads of one warpgroup,
+  compiled only.
+  """
+  layout = _row_ids_layout(tile)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),),
+      return_type=plgpu.ShapeDtypeStruct(_row_ids_shape(tile), jnp.int32, layout=layout),
+  )
+  def _load(_ctx, ids_ref):
+    i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+    regs = np.empty((tile // ROWS_PER_PASS,), dtype=object)
+    for p, r in enumerate(_thread_rows(tile)):
+      raw = memref.load(ids_ref, [arith.index_cast(index, r)])
+      regs[p] = vector.broadcast(ir.VectorType.get((1,), i32), raw)
+    return mgpu_fa.FragmentedArray(
+        _registers=regs, _layout=layout.to_mgpu(), _is_signed=True)
+
+  return _load(ids)
+
+
+def _scalars(ids):
+  """The int32 scalars of a `row_ids` array in this thread, by register."""
+  return [vector.extract(reg, [], [0]) for reg in ids.registers.flat]
+
+
 def issue_gather(
     ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, scratch, *, tile: int, transforms,
     null_once: bool,
@@ -54,9 +111,10 @@ def issue_gather(
   Called by all 128 threads of one warpgroup, compiled only.
 
   Args:
-    ids: `[tile]` int32 SMEM ref: the cache rows (clamped into the cache). A
-      negative id copies nothing (row r keeps what it held), except with
-      `null_once` the first negative one, which copies row 0 (the null block).
+    ids: the tile's cache rows as `row_ids` holds them in registers (clamped
+      into the cache). A negative id copies nothing (row r keeps what it
+      held), except with `null_once` the first negative one, which copies row
+      0 (the null block).
     cache: `[num_rows, 576]` bf16 GMEM ref.
     k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
       `transforms`.
@@ -81,7 +139,7 @@ def issue_gather(
 
   @plgpu.inline_mgpu(
       arg_types=(
-          plgpu.RefType(),
+          _row_ids_layout(tile),
           plgpu.RefType(),
           plgpu.RefType(transforms=transforms),
           plgpu.RefType(transforms=transforms),
@@ -91,7 +149,7 @@ def issue_gather(
           *([plgpu.RefType()] if null_once else []),
       )
   )
-  def _issue(_ctx, ids_ref, cache_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref,
+  def _issue(_ctx, row_ids_, cache_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref,
              bar_ref, scratch_ref=None):
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
@@ -138,18 +196,12 @@ def issue_gather(
         piece = mgpu_utils.getelementptr(src, [span * PIECE * LANES_PER_ROW], i8)
         nvvm.cp_async_shared_global(dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG)
 
-    passes = tile // ROWS_PER_PASS
-    rows = [arith.addi(row0, c32(p * ROWS_PER_PASS)) for p in range(passes)]
-    load_id = lambda r: memref.load(ids_ref, [arith.index_cast(index, r)])
+    rows = _thread_rows(tile)
     if null_once:
       # The tile's first negative id (`tile` if none), which `first_negative`
       # left in this thread's own slot of `scratch`.
-      raws = [load_id(r) for r in rows]
       first = memref.load(scratch_ref, [arith.index_cast(index, arith.addi(t, c32(WARPS)))])
-    for p, r in enumerate(rows):
-      # "select" loads each id just before its row's copies (measured: 3%
-      # faster than loading the four up front).
-      raw = raws[p] if null_once else load_id(r)
+    for p, (r, raw) in enumerate(zip(rows, _scalars(row_ids_))):
       sid = arith.minsi(arith.maxsi(raw, c32(0)), c32(num_rows - 1))
       src_off = arith.addi(
           arith.muli(arith.extui(i64, sid), mgpu_utils.c(HEAD_DIM * 2, i64)),
@@ -180,9 +232,10 @@ def issue_gather(
 
 
 def first_negative(ids, scratch, *, tile: int) -> None:
-  """Leaves the first row of `ids` (`[tile]` int32 SMEM) holding a negative id
-  (`tile` if none) in every thread's own slot `4 + t` of `scratch` (`[4 +
-  128]` int32 SMEM), where `issue_gather(null_once=True)` reads it: each
+  """Leaves the first row of a tile holding a negative id (`tile` if none;
+  `ids` as `row_ids` holds them) in every thread's own slot `4 + t` of
+  `scratch` (`[4 + 128]` int32 SMEM), where `issue_gather(null_once=True)`
+  reads it: each
   thread's first among the rows it copies, the warp's by one `redux.sync`,
   the four warps' through `scratch[:4]` and a warpgroup barrier. Apart from
   `issue_gather` so that the producer scans a tile's ids before it waits for
@@ -192,17 +245,14 @@ def first_negative(ids, scratch, *, tile: int) -> None:
   orders the scratch's reuse across tiles with a warpgroup barrier.
   """
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-  def _scan(_ctx, ids_ref, scratch_ref):
+  @plgpu.inline_mgpu(arg_types=(_row_ids_layout(tile), plgpu.RefType()))
+  def _scan(_ctx, row_ids_, scratch_ref):
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
     c32 = lambda v: mgpu_utils.c(v, i32)
     t = arith.remui(mgpu_utils.thread_idx(), c32(128))
-    row0 = arith.divui(t, c32(LANES_PER_ROW))
-    rows = [arith.addi(row0, c32(p * ROWS_PER_PASS)) for p in range(tile // ROWS_PER_PASS)]
     first = c32(tile)
-    for r in reversed(rows):
-      raw = memref.load(ids_ref, [arith.index_cast(index, r)])
+    for r, raw in reversed(list(zip(_thread_rows(tile), _scalars(row_ids_)))):
       first = arith.select(arith.cmpi(arith.CmpIPredicate.slt, raw, c32(0)), r, first)
     first = nvvm.redux_sync(first, mgpu_utils.ReductionKind.MIN, c32(-1))
     warp = arith.divui(t, c32(32))

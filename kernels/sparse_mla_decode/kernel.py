@@ -89,6 +89,7 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
     first_negative,
     init_barriers,
     issue_gather,
+    row_ids,
     wait_barrier,
     warpgroup_barrier,
     zero_fill,
@@ -243,24 +244,23 @@ def build_kernel(
           k_rope[...] = jnp.zeros(k_rope.shape, dtype)
         plgpu.commit_smem()
 
-        # Compiled "multiply" scans a tile's ids for its first -1 before it
-        # waits for the tile's stage (`first_negative`): the scan then runs
-        # while the consumers still read that stage, not after.
-        scan_early = compiled and not select
+        # Compiled, the producer loads a tile's ids into registers (and in
+        # "multiply" scans them for the first -1, `first_negative`) before it
+        # waits for the tile's stage: that runs while the consumers still
+        # read the stage, and the copies go out as soon as it comes free.
 
-        def gather(tile, stage):
+        def gather(tile, stage, tile_ids):
           ring = lax.rem(tile, IDX_STAGES)
-          if not scan_early:
-            plgpu.barrier_wait(idx_bar.at[ring])
           # The tile's indices travel with its rows: the consumers mask by them.
           tile_idx = idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)]
           if compiled:
             issue_gather(
-                ids.at[ring], cache_ref, k_lat.at[stage], k_rope.at[stage],
+                tile_ids, cache_ref, k_lat.at[stage], k_rope.at[stage],
                 tile_idx, stage_idx.at[stage], landed.at[stage], scratch,
                 tile=TILE, transforms=bf16, null_once=not select,
             )
           else:
+            plgpu.barrier_wait(idx_bar.at[ring])
             plgpu.copy_gmem_to_smem(tile_idx, stage_idx.at[stage], ready_bar.at[stage])
 
             if select:
@@ -301,12 +301,15 @@ def build_kernel(
         @pl.loop(0, num_tiles)
         def _(i):
           stage = lax.rem(i, NUM_STAGES)
-          if scan_early:
+          tile_ids = None
+          if compiled:
             ring = lax.rem(i, IDX_STAGES)
             plgpu.barrier_wait(idx_bar.at[ring])
-            first_negative(ids.at[ring], scratch, tile=TILE)
+            tile_ids = row_ids(ids.at[ring], tile=TILE)
+            if not select:
+              first_negative(tile_ids, scratch, tile=TILE)
           pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
-          gather(i, stage)
+          gather(i, stage, tile_ids)
           # Every thread's reads of the tile's ids before their refill (the
           # interpreter has no inline barrier: commit_smem is one too).
           (warpgroup_barrier if compiled else plgpu.commit_smem)()
