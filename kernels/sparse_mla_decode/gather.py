@@ -44,8 +44,8 @@ LANES_PER_ROW = 8  # threads per 128-byte span of a row
 ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
 SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 WARPS = 4  # per warpgroup
-# int32s of `first_negative`'s SMEM scratch: a slot per warp, then one per thread.
-FIRST_NEGATIVE_SCRATCH = WARPS + 128
+# int32s of `null_first_negative`'s SMEM scratch: a slot per warp.
+FIRST_NEGATIVE_SCRATCH = WARPS
 
 
 def _row_ids_shape(tile: int) -> tuple[int]:
@@ -70,7 +70,7 @@ def _thread_rows(tile: int):
 def row_ids(ids, *, tile: int) -> jax.Array:
   """The ids of the rows each thread copies, from `ids` (`[tile]` int32 SMEM)
   into registers: an int32 array whose register p in thread t is
-  `ids[t // 8 + 16 p]`, for `first_negative` and `issue_gather`.
+  `ids[t // 8 + 16 p]`, for `null_first_negative` and `issue_gather`.
 
   Loaded before the producer waits for the tile's stage, so that the copies
   start at once when it comes free: the values stay in registers across the
@@ -102,8 +102,7 @@ def _scalars(ids):
 
 
 def issue_gather(
-    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, scratch, *, tile: int, transforms,
-    null_once: bool,
+    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *, tile: int, transforms,
 ) -> None:
   """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r, and `idx_src`
   into `idx_dst`; `bar` completes its phase when all of them landed.
@@ -113,8 +112,7 @@ def issue_gather(
   Args:
     ids: the tile's cache rows as `row_ids` holds them in registers (clamped
       into the cache). A negative id copies nothing (row r keeps what it
-      held), except with `null_once` the first negative one, which copies row
-      0 (the null block).
+      held).
     cache: `[num_rows, 576]` bf16 GMEM ref.
     k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
       `transforms`.
@@ -125,13 +123,8 @@ def issue_gather(
       arrivals): each thread's arrival is its copies' completion
       (`cp.async.mbarrier.arrive.noinc`), so the phase completes when the
       whole tile has landed and nobody waits for it here.
-    scratch: `[4 + 128]` int32 SMEM ref with `null_once`, holding in slot
-      `4 + t` thread t's copy of the first row of `ids` with a negative id
-      (`first_negative`, called before; the caller orders the scratch's
-      reuse across tiles with a warpgroup barrier), else None.
     tile: rows per call, a multiple of 16.
     transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
-    null_once: see `ids`.
   """
   assert tile % ROWS_PER_PASS == 0
   lat_tiles_per_row = HALF // COLS  # tiles across one 8-row band of a half
@@ -146,15 +139,12 @@ def issue_gather(
           plgpu.RefType(),
           plgpu.RefType(),
           plgpu.RefType(),
-          *([plgpu.RefType()] if null_once else []),
       )
   )
-  def _issue(_ctx, row_ids_, cache_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref,
-             bar_ref, scratch_ref=None):
+  def _issue(_ctx, row_ids_, cache_ref, lat_ref, rope_ref, idx_src_ref, idx_dst_ref, bar_ref):
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
     i8 = ir.IntegerType.get_signless(8)
-    index = ir.IndexType.get()
     c32 = lambda v: mgpu_utils.c(v, i32)
     num_rows = ir.MemRefType(cache_ref.type).shape[0]
 
@@ -196,22 +186,14 @@ def issue_gather(
         piece = mgpu_utils.getelementptr(src, [span * PIECE * LANES_PER_ROW], i8)
         nvvm.cp_async_shared_global(dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG)
 
-    rows = _thread_rows(tile)
-    if null_once:
-      # The tile's first negative id (`tile` if none), which `first_negative`
-      # left in this thread's own slot of `scratch`.
-      first = memref.load(scratch_ref, [arith.index_cast(index, arith.addi(t, c32(WARPS)))])
-    for p, (r, raw) in enumerate(zip(rows, _scalars(row_ids_))):
+    for p, raw in enumerate(_scalars(row_ids_)):
       sid = arith.minsi(arith.maxsi(raw, c32(0)), c32(num_rows - 1))
       src_off = arith.addi(
           arith.muli(arith.extui(i64, sid), mgpu_utils.c(HEAD_DIM * 2, i64)),
           arith.extui(i64, arith.muli(lane, c32(PIECE))),
       )
       src = mgpu_utils.getelementptr(cache_ptr, [src_off], i8)
-      copy = arith.cmpi(arith.CmpIPredicate.sge, raw, c32(0))
-      if null_once:
-        copy = arith.ori(copy, arith.cmpi(arith.CmpIPredicate.eq, r, first))
-      with mgpu_utils.when(copy):
+      with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, raw, c32(0))):
         copy_row(src, p)
     # The indices: one 16-byte piece (4 of them) per thread of the first few.
     idx_pieces = tile * 4 // PIECE
@@ -228,31 +210,38 @@ def issue_gather(
       )
     nvvm.cp_async_mbarrier_arrive(mgpu_utils.memref_ptr(bar_ref), noinc=True)
 
-  _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *([scratch] if null_once else []))
+  _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst, bar)
 
 
-def first_negative(ids, scratch, *, tile: int) -> None:
-  """Leaves the first row of a tile holding a negative id (`tile` if none;
-  `ids` as `row_ids` holds them) in every thread's own slot `4 + t` of
-  `scratch` (`[4 + 128]` int32 SMEM), where `issue_gather(null_once=True)`
-  reads it: each
-  thread's first among the rows it copies, the warp's by one `redux.sync`,
-  the four warps' through `scratch[:4]` and a warpgroup barrier. Apart from
-  `issue_gather` so that the producer scans a tile's ids before it waits for
-  a free stage, and copies at once when the stage comes free.
+def null_first_negative(ids, scratch, *, tile: int) -> jax.Array:
+  """`ids` (as `row_ids` holds them) with the tile's first negative id, if
+  any, replaced by 0: "multiply" copies the null block's slot 0 for that row
+  (and nothing for the tile's other -1s), so a non-finite null block reaches
+  the accumulator with p = 0 as in production kernels. The rows' indices the
+  consumers mask by are copied from GMEM and keep the -1.
+
+  The first such row: each thread's first among the rows it copies, the
+  warp's by one `redux.sync`, the four warps' through `scratch` (`[4]` int32
+  SMEM) and a warpgroup barrier. The producer calls it before it waits for
+  the tile's stage, so that after the wait it only copies.
 
   Called by all 128 threads of one warpgroup, compiled only; the caller
   orders the scratch's reuse across tiles with a warpgroup barrier.
   """
+  layout = _row_ids_layout(tile)
 
-  @plgpu.inline_mgpu(arg_types=(_row_ids_layout(tile), plgpu.RefType()))
+  @plgpu.inline_mgpu(
+      arg_types=(layout, plgpu.RefType()),
+      return_type=plgpu.ShapeDtypeStruct(_row_ids_shape(tile), jnp.int32, layout=layout),
+  )
   def _scan(_ctx, row_ids_, scratch_ref):
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
     c32 = lambda v: mgpu_utils.c(v, i32)
     t = arith.remui(mgpu_utils.thread_idx(), c32(128))
+    rows, raws = _thread_rows(tile), _scalars(row_ids_)
     first = c32(tile)
-    for r, raw in reversed(list(zip(_thread_rows(tile), _scalars(row_ids_)))):
+    for r, raw in reversed(list(zip(rows, raws))):
       first = arith.select(arith.cmpi(arith.CmpIPredicate.slt, raw, c32(0)), r, first)
     first = nvvm.redux_sync(first, mgpu_utils.ReductionKind.MIN, c32(-1))
     warp = arith.divui(t, c32(32))
@@ -262,9 +251,13 @@ def first_negative(ids, scratch, *, tile: int) -> None:
     first = c32(tile)
     for w in range(WARPS):
       first = arith.minsi(first, memref.load(scratch_ref, [arith.constant(index, w)]))
-    memref.store(first, scratch_ref, [arith.index_cast(index, arith.addi(t, c32(WARPS)))])
+    regs = np.empty((len(raws),), dtype=object)
+    for p, (r, raw) in enumerate(zip(rows, raws)):
+      nulled = arith.select(arith.cmpi(arith.CmpIPredicate.eq, r, first), c32(0), raw)
+      regs[p] = vector.broadcast(ir.VectorType.get((1,), i32), nulled)
+    return mgpu_fa.FragmentedArray(_registers=regs, _layout=layout.to_mgpu(), _is_signed=True)
 
-  _scan(ids, scratch)
+  return _scan(ids, scratch)
 
 
 def zero_fill(*refs, transforms) -> None:

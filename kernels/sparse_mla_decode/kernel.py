@@ -86,9 +86,9 @@ from jaxkv.kernels.mla_decode.kernel import (
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
     FIRST_NEGATIVE_SCRATCH,
-    first_negative,
     init_barriers,
     issue_gather,
+    null_first_negative,
     row_ids,
     wait_barrier,
     warpgroup_barrier,
@@ -194,9 +194,9 @@ def build_kernel(
       # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
       # stage_idx [stages, 64] int32: each stage's indices (-1: masked);
       # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
-      # stage: its tile's copies landed) and in "multiply" scratch [4 + 128]
-      # int32 (`gather.first_negative`: a tile's first -1, per warp, then a
-      # copy per producer thread); interpreted, the RoPE
+      # stage: its tile's copies landed) and in "multiply" scratch [4]
+      # int32 (`gather.null_first_negative`: a tile's first -1 per warp);
+      # interpreted, the RoPE
       # query's buffer and ready_bar (a stage's copies landed).
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
@@ -245,9 +245,10 @@ def build_kernel(
         plgpu.commit_smem()
 
         # Compiled, the producer loads a tile's ids into registers (and in
-        # "multiply" scans them for the first -1, `first_negative`) before it
-        # waits for the tile's stage: that runs while the consumers still
-        # read the stage, and the copies go out as soon as it comes free.
+        # "multiply" points the first -1 at the null block,
+        # `null_first_negative`) before it waits for the tile's stage: that
+        # runs while the consumers still read the stage, and the copies go
+        # out as soon as it comes free.
 
         def gather(tile, stage, tile_ids):
           ring = lax.rem(tile, IDX_STAGES)
@@ -256,8 +257,8 @@ def build_kernel(
           if compiled:
             issue_gather(
                 tile_ids, cache_ref, k_lat.at[stage], k_rope.at[stage],
-                tile_idx, stage_idx.at[stage], landed.at[stage], scratch,
-                tile=TILE, transforms=bf16, null_once=not select,
+                tile_idx, stage_idx.at[stage], landed.at[stage],
+                tile=TILE, transforms=bf16,
             )
           else:
             plgpu.barrier_wait(idx_bar.at[ring])
@@ -307,7 +308,7 @@ def build_kernel(
             plgpu.barrier_wait(idx_bar.at[ring])
             tile_ids = row_ids(ids.at[ring], tile=TILE)
             if not select:
-              first_negative(tile_ids, scratch, tile=TILE)
+              tile_ids = null_first_negative(tile_ids, scratch, tile=TILE)
           pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
           gather(i, stage, tile_ids)
           # Every thread's reads of the tile's ids before their refill (the
