@@ -244,14 +244,7 @@ def build_kernel(
           k_rope[...] = jnp.zeros(k_rope.shape, dtype)
         plgpu.commit_smem()
 
-        # Compiled, the producer loads a tile's ids into registers (and in
-        # "multiply" points the first -1 at the null block,
-        # `null_first_negative`) before it waits for the tile's stage: that
-        # runs while the consumers still read the stage, and the copies go
-        # out as soon as it comes free.
-
         def gather(tile, stage, tile_ids):
-          ring = lax.rem(tile, IDX_STAGES)
           # The tile's indices travel with its rows: the consumers mask by them.
           tile_idx = idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)]
           if compiled:
@@ -261,6 +254,7 @@ def build_kernel(
                 tile=TILE, transforms=bf16,
             )
           else:
+            ring = lax.rem(tile, IDX_STAGES)
             plgpu.barrier_wait(idx_bar.at[ring])
             plgpu.copy_gmem_to_smem(tile_idx, stage_idx.at[stage], ready_bar.at[stage])
 
@@ -302,6 +296,11 @@ def build_kernel(
         @pl.loop(0, num_tiles)
         def _(i):
           stage = lax.rem(i, NUM_STAGES)
+          # Compiled, the producer loads the tile's ids into registers (and
+          # in "multiply" points the first -1 at the null block,
+          # `null_first_negative`) before it waits for the tile's stage: that
+          # runs while the consumers still read the stage, and the copies go
+          # out as soon as it comes free.
           tile_ids = None
           if compiled:
             ring = lax.rem(i, IDX_STAGES)
