@@ -418,7 +418,6 @@ def test_grouped_merge_lowers_with_bulk_copies():
   cols, _ = merge.grouped_tiling(batch=batch, head_groups=2, num_splits=splits)
   assert cols == 8
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits, block_size=64,
       sm_scale=SCALE, select=True, interpret=None, partial_cols=cols,
@@ -1015,7 +1014,6 @@ def test_unpadded_heads_lower_for_hopper(heads, kv_swizzle, group):
   hp = -(-heads // 64) * 64
   splits = 40 if group else 3
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   tiling = {}
   if group:
     cols, stages = merge.grouped_tiling(batch=batch, head_groups=hp // 64, num_splits=splits)
