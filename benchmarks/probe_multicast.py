@@ -39,15 +39,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu.profiler import measure
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels.mla_decode import kernel as K
+from jaxkv.kernels.mla_decode import layout as L
 
 BS, D, HALF, ROPE = 64, 576, 256, 64
 
 
 LAYOUTS = {
     # the decode kernels' stage layout: 32-column tiles, 64-byte swizzle
-    "sw64": K.bf16_tile(),
-    "sw128": K.bf16_tile(128),
+    "sw64": L.bf16_tile(),
+    "sw128": L.bf16_tile(128),
     "plain": (),  # row-major, as the benchmarks' gather ceiling
 }
 

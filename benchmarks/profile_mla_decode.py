@@ -33,6 +33,7 @@ from jax.experimental.mosaic.gpu.profiler import measure
 
 import bench_mla_decode as B
 from jaxkv.kernels.mla_decode import kernel as K
+from jaxkv.kernels.mla_decode import layout as L
 from jaxkv.kernels.mla_decode.config import default_config
 
 ROLES = {0: "consumer 0", 1: "consumer 1", 2: "producer"}
@@ -42,11 +43,11 @@ def build(q, cache, plan, select, profile_dir=None, tile_regions=True):
   # The kernel the shape's default config runs (its ring layout and query
   # registers), on the shape's default plan.
   heads = q.shape[1]
-  if K.query_rows(heads) != heads:
+  if L.query_rows(heads) != heads:
     raise SystemExit(f"--shape: {heads} heads; the profile takes a multiple of 8 (unpadded q)")
   config = default_config(batch=q.shape[0], num_heads=heads)
   return jax.jit(K.build_kernel(
-      batch=q.shape[0], heads_padded=-(-heads // K.HEAD_TILE) * K.HEAD_TILE, q_heads=heads,
+      batch=q.shape[0], heads_padded=-(-heads // L.HEAD_TILE) * L.HEAD_TILE, q_heads=heads,
       num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=cache.shape[1], sm_scale=B.D**-0.5,
       select=select, interpret=None, profile_dir=profile_dir,
@@ -64,7 +65,7 @@ def ranges(trace_path):
   events = json.load(open(trace_path))["traceEvents"]
   open_, out = {}, {}
   for e in events:
-    key = divmod(e["tid"] - 1, K.NUM_THREADS)
+    key = divmod(e["tid"] - 1, L.NUM_THREADS)
     if e["ph"] == "B":
       open_.setdefault(key, []).append(e)
     else:
@@ -76,13 +77,13 @@ def ranges(trace_path):
 def report(rr):
   ctas = sorted({c for c, _ in rr})
   n = len(ctas)
-  full = sum(1 for v in rr.values() if len(v) >= K.PROFILE_RANGES)
+  full = sum(1 for v in rr.values() if len(v) >= L.PROFILE_RANGES)
   if full:
-    print(f"warning: {full} warpgroup traces hit {K.PROFILE_RANGES} ranges and were cut short")
+    print(f"warning: {full} warpgroup traces hit {L.PROFILE_RANGES} ranges and were cut short")
   # Within a CTA the trace's timestamps count thousands of SM clock cycles.
   span, tiles, segs, start = [], [], [], []
   for c in ctas:
-    evs = [x for w in range(K.NUM_THREADS) for x in rr.get((c, w), [])]
+    evs = [x for w in range(L.NUM_THREADS) for x in rr.get((c, w), [])]
     start.append(min(x[1] for x in evs))
     span.append(max(x[2] for x in evs) - start[-1])
     tiles.append(sum(1 for x in rr.get((c, 0), []) if x[0] == "kv_wait"))
@@ -113,7 +114,7 @@ def report(rr):
       print(f"  {label} CTA {ctas[c]}: span {span[c]:.1f}k, start {start[c]:.0f} ns, "
             f"{tiles[c]} tiles, segments of {seg_tiles(ctas[c])} tiles")
   print("role        region           kcycles per CTA   count per CTA   cycles each")
-  for w in range(K.NUM_THREADS):
+  for w in range(L.NUM_THREADS):
     for region in K.REGIONS:
       xs = [z - a for c in ctas for nm, a, z in rr.get((c, w), []) if nm == region]
       if xs:

@@ -381,7 +381,7 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
   )
   text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "wgmma.mma_async" in text and "setmaxnreg" in text
-  # The QK reads the query through `kernel.tile_scores`' opaque index: without
+  # The QK reads the query through `seesaw.tile_scores`' opaque index: without
   # it LLVM hoists the query's wgmma descriptors into 42 registers and the tile
   # loop spills (kernels/mla_decode/NOTES.md).
   assert "optimization_barrier" in text
@@ -446,9 +446,10 @@ def test_p_hand_offs_fence_only_where_the_async_proxy_reads(monkeypatch, capsys)
   the H200 check compares `p_fence=True` bitwise with the default)."""
   import functools
 
-  from jaxkv.kernels.mla_decode import kernel
+  from jaxkv.kernels.mla_decode import kernel, layout
 
-  monkeypatch.setattr(kernel.plgpu, "kernel", functools.partial(plgpu.kernel, debug=True))
+  # `layout.launch` builds the call through `plgpu.kernel`.
+  monkeypatch.setattr(layout.plgpu, "kernel", functools.partial(plgpu.kernel, debug=True))
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   batch, hp, parts, max_blocks = 2, 64, 4, 8
   args = (
@@ -481,12 +482,14 @@ def test_register_split_fits_the_launch(op):
   GPU, where the interpreter cannot notice. Both kernels' splits must fit."""
   import importlib
 
+  from jaxkv.kernels.mla_decode.layout import NUM_THREADS  # both kernels' launch
+
   k = importlib.import_module(f"jaxkv.kernels.{op}.kernel")
   regs = (k.PRODUCER_REGS, k.CONSUMER_REGS)
   assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
-  per_thread = 65536 // (k.NUM_THREADS * 128) // 8 * 8
+  per_thread = 65536 // (NUM_THREADS * 128) // 8 * 8
   assert per_thread == 168
-  assert k.PRODUCER_REGS + 2 * k.CONSUMER_REGS <= k.NUM_THREADS * per_thread, regs
+  assert k.PRODUCER_REGS + 2 * k.CONSUMER_REGS <= NUM_THREADS * per_thread, regs
 
 
 def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):

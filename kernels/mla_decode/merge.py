@@ -42,16 +42,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel import (
-    _LOG2E,
+from .layout import (
     HEAD_TILE,
+    LOG2E,
     TILE,
     by_head_group,
     last_group_rows,
-    softmax_finish,
-    softmax_start,
     stage_store,
 )
+from .seesaw import softmax_finish, softmax_start
 
 # Value channels per CTA and at most this many splits in flight per CTA (16 KB
 # each; no more than a plan's splits per row), for rows of few splits;
@@ -353,7 +352,7 @@ def build_merge(
       acc, m, l = carry
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(bar.at[slot])
-      lse_j = plgpu.load(lse_buf.at[slot], layout=row_layout, optimized=False) * _LOG2E
+      lse_j = plgpu.load(lse_buf.at[slot], layout=row_layout, optimized=False) * LOG2E
       o_j = plgpu.load(o_buf.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
       # The slot is refilled at once: every thread's reads are ordered before
       # the copy (Pallas's warpgroup barrier ahead of a TMA issue).
@@ -407,7 +406,7 @@ def build_merge(
     def log2_lse(j):
       # Loaded again where used: all splits' maxima held in registers would
       # not fit beside the accumulator.
-      return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * _LOG2E
+      return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
 
     plgpu.barrier_wait(lse_bar)
     m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)

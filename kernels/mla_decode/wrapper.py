@@ -20,6 +20,7 @@ from jaxkv._types import (
 from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 
 from . import kernel as _kernel
+from . import layout as _layout
 from . import merge as _merge
 from .config import MLADecodeConfig, default_config
 from .plan import MLADecodePlan, mla_decode_plan
@@ -125,7 +126,7 @@ def mla_decode(
   _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, config)
   interpret = resolve_interpret(interpret)
   if interpret is not None:
-    require_interpreter_threads(_kernel.NUM_THREADS, "mla_decode")
+    require_interpreter_threads(_layout.NUM_THREADS, "mla_decode")
   if config is None:
     config = default_config(batch=q.shape[0], num_heads=q.shape[1])
   with jax.named_scope("jaxkv.mla_decode"):
@@ -147,13 +148,13 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
-  heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
+  heads_padded = -(-heads // _layout.HEAD_TILE) * _layout.HEAD_TILE
   # Head counts that are a multiple of 8 (the query tile's row groups: every
   # tensor-parallel share of 128 or 64 heads) go in unpadded: the kernel
   # copies the real rows alone and zeroes the rest of its query tile once.
   # Others are padded here to the head group of 64 (an XLA op per call), as
   # every count is with `pad_heads` (the benchmark's A/B).
-  q_rows = _kernel.query_rows(heads, pad=pad_heads)
+  q_rows = _layout.query_rows(heads, pad=pad_heads)
   if q_rows != heads:
     q = jnp.pad(q, ((0, 0), (0, heads_padded - heads), (0, 0)))
   # The kernels clip every plan value and length themselves (a stale or
@@ -172,7 +173,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # group): one grouped pass (`merge.use_grouped`; `grouped` True / False
   # forces it where it can run / keeps it off, `group_cols` sets its channels
   # per CTA), which reads the partials in its own layout.
-  head_groups = heads_padded // _kernel.HEAD_TILE
+  head_groups = heads_padded // _layout.HEAD_TILE
   if grouped is None:
     group = _merge.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   else:
@@ -193,7 +194,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
   merge_args = dict(
-      batch=batch, heads_padded=heads_padded, dv=_kernel.LATENT,
+      batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
   if not group and plan.num_splits > _merge.MAX_SPLITS:
@@ -210,7 +211,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
         edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, **merge_args
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
-    return _kernel.real_heads(out, lse_out, heads)
+    return _layout.real_heads(out, lse_out, heads)
   # A row's live splits are its first ones; the merge reads those alone,
   # never the unwritten rest, and writes the rows the kernel did not: by TMA
   # from SMEM (`stage_merge_out`; from registers, its bf16 stores cost the
@@ -220,4 +221,4 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       stage_out=stage_merge_out, out_heads=out_rows, **tiling, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
-  return _kernel.real_heads(out, lse_out, heads)
+  return _layout.real_heads(out, lse_out, heads)

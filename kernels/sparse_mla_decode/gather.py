@@ -124,7 +124,7 @@ def issue_gather(
       (`cp.async.mbarrier.arrive.noinc`), so the phase completes when the
       whole tile has landed and nobody waits for it here.
     tile: rows per call, a multiple of 16.
-    transforms: the operands' tiling and swizzle (`mla_decode.kernel.bf16_tile`).
+    transforms: the operands' tiling and swizzle (`mla_decode.layout.bf16_tile`).
   """
   assert tile % ROWS_PER_PASS == 0
   lat_tiles_per_row = HALF // COLS  # tiles across one 8-row band of a half

@@ -18,7 +18,7 @@ Warpgroups 0 and 1 consume each tile as the dense kernel does
 (`mla_decode.kernel`): scores by slots (warpgroup w computes S_w = Q K^T for
 slots [32w, 32w + 32), 576 deep), values by channels (warpgroup w accumulates
 O[:, 256w:256w+256] over all 64 slots), the halves met in the "seesaw" order
-(`mla_decode.kernel.seesaw_tile`: warpgroup 0's maximum is handed on, each
+(`mla_decode.seesaw.seesaw_tile`: warpgroup 0's maximum is handed on, each
 multiplies its own P at once and the other's when it arrives).
 
 Masking. Any slot of any tile can be a -1, so every tile is masked: each
@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
-from jaxkv.kernels.mla_decode.kernel import (
+from jaxkv.kernels.mla_decode.layout import (
     HALF,
     HEAD_TILE,
     LATENT,
@@ -68,6 +68,11 @@ from jaxkv.kernels.mla_decode.kernel import (
     last_group_rows,
     launch,
     load_query,
+    split_outputs,
+    stage_store,
+    zero_query_rows,
+)
+from jaxkv.kernels.mla_decode.seesaw import (
     query_head,
     seesaw_barriers,
     seesaw_begin,
@@ -78,10 +83,7 @@ from jaxkv.kernels.mla_decode.kernel import (
     seesaw_tile,
     softmax_finish,
     softmax_start,
-    split_outputs,
-    stage_store,
     tile_scores,
-    zero_query_rows,
 )
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
@@ -105,7 +107,7 @@ IDX_STAGES = 4  # tiles of slot ids in flight ahead of their gathers
 # the consumers' increase waits forever.
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 # The running maximum's start: finite and below any score (|q.k| * scale is
 # far smaller), so that masked scores (-inf) give exp2(-inf - M_FLOOR) = 0.
 M_FLOOR = -1e30
@@ -157,7 +159,7 @@ def build_kernel(
   assert topk % (TILE * num_splits) == 0
   check_choice("q_regs", q_regs, Q_REGS)
   num_tiles = topk // (TILE * num_splits)  # per split, static
-  scale_log2 = float(sm_scale) * _LOG2E
+  scale_log2 = float(sm_scale) * LOG2E
   dtype = jnp.bfloat16
   compiled = interpret is None
   bf16 = bf16_tile()

@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Shaped
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
 from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
-from jaxkv.kernels.mla_decode.kernel import query_rows, real_heads
+from jaxkv.kernels.mla_decode.layout import query_rows, real_heads
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference

@@ -1,0 +1,189 @@
+"""What both MLA decode kernels (and the merge) share around their tiles: the
+geometry, the query's copies and head groups, staged stores, the partial
+outputs' shapes and the launch."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .reference import READ_TILE
+
+HEAD_TILE = 64  # wgmma M: heads per CTA
+# Slots per KV ring stage, the plan's unit (a block at block size 64): the
+# reference's read tile, which sets what "multiply" reads.
+TILE = READ_TILE
+LATENT = 512
+ROPE = 64
+HALF = 256  # value channels per consumer warpgroup; also the TMA box limit
+CLEAN_COLS = 64  # value channels cleaned per register pass
+SLOT_HALF = 32  # slots of a block whose scores one consumer warpgroup computes
+NUM_STAGES = 2
+NUM_THREADS = 3  # warpgroups per block: two consumers and the TMA producer
+LOG2E = math.log2(math.e)
+# Ranges per warpgroup the in-kernel profiler can record: its buffer takes
+# 3 x 16 B per range from the SMEM the kernel leaves free (224,312 of
+# 232,448 B). Past it, events are dropped (`profile_bounds_check`).
+PROFILE_RANGES = 168
+
+
+def bf16_tile(swizzle: int = 64):
+  # Tiles of 8 rows and `swizzle` bytes (32 columns at 64: wgmma takes A and
+  # B under the same transforms, and P and each warpgroup's score slice are
+  # 32 slots wide; 64 columns at 128, `build_kernel(kv_swizzle=128)`).
+  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def load_query(q_ref, row, g, *, head_groups, tail_heads, q_lat, q_rope, bar):
+  """Copies head group `g` of row `row` of q `[batch, q_heads, 576]` (GMEM)
+  into the query tiles, q_lat `[2, 64, 256]` and q_rope `[64, 64]` (SMEM),
+  three copies completing on `bar`. The last head group holds `tail_heads`
+  real rows (64 when q is padded): its copies bring those alone, into the
+  tiles' first rows (`zero_query_rows` zeroed the rest)."""
+
+  def copy(src_heads, n):
+    dst = (lambda ref: ref) if n == HEAD_TILE else (lambda ref: ref.at[pl.ds(0, n)])
+    for h in range(2):
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[row, src_heads, pl.ds(h * HALF, HALF)], dst(q_lat.at[h]), bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[row, src_heads, pl.ds(LATENT, ROPE)], dst(q_rope), bar)
+
+  by_head_group(
+      g, head_groups=head_groups, tail_heads=tail_heads,
+      whole=lambda: copy(pl.ds(g * HEAD_TILE, HEAD_TILE), HEAD_TILE),
+      tail=lambda: copy(pl.ds((head_groups - 1) * HEAD_TILE, tail_heads), tail_heads),
+  )
+
+
+def query_rows(heads: int, *, pad: bool = False) -> int:
+  """The query heads the decode kernels take for `heads` real ones: `heads`
+  itself where it is a multiple of 8 (a TMA box into the query's swizzled
+  tiles moves whole 8-row groups), else `heads` padded to head groups of 64
+  (and always with `pad`)."""
+  return heads if heads % 8 == 0 and not pad else -(-heads // HEAD_TILE) * HEAD_TILE
+
+
+def real_heads(out, lse, heads: int):
+  """A result's first `heads` rows (`out` `[batch, rows, dv]`, `lse` `[batch,
+  rows]`): no op where a kernel wrote the real heads alone, else a slice of
+  the padded result (an XLA op per output)."""
+  if out.shape[1] == heads:
+    return out, lse
+  return out[:, :heads], lse[:, :heads]
+
+
+def last_group_rows(heads: int, heads_padded: int) -> int:
+  """Real rows of the last head group of 64 when `heads` (`query_rows`) of
+  `heads_padded` are real: 64 when none is padding."""
+  assert heads_padded - HEAD_TILE < heads <= heads_padded
+  assert heads == heads_padded or heads % 8 == 0
+  return heads - (heads_padded - HEAD_TILE)
+
+
+def by_head_group(g, *, head_groups: int, tail_heads: int, whole, tail) -> None:
+  """Runs `whole()` in head group `g` when its 64 rows are real and `tail()`
+  when it is a last group of `tail_heads` < 64 real rows (both static
+  bodies; `g` is the grid's head-group index)."""
+  if tail_heads == HEAD_TILE:
+    whole()
+    return
+  last = g == head_groups - 1
+  if head_groups > 1:
+    pl.when(~last)(whole)
+  pl.when(last)(tail)
+
+
+def zero_query_rows(q_lat, q_rope):
+  """Zeroes the query's SMEM tiles, q_lat `[2, 64, 256]` and q_rope `[64,
+  64]` bf16, and fences them toward the async proxy: for a query of fewer
+  real heads than the tile's 64 rows, whose copies then write the real rows
+  alone (after the fence, in the same thread). The padded rows stay zero: no
+  copy writes them. Called by the producer before its register decrease (a
+  64x64 tile of zeros takes 16 registers per thread)."""
+  zero = plgpu.layout_cast(jnp.zeros((HEAD_TILE, CLEAN_COLS), jnp.bfloat16), plgpu.Layout.WGMMA)
+  for h in range(2):
+    for c in range(HALF // CLEAN_COLS):
+      q_lat.at[h, :, pl.ds(c * CLEAN_COLS, CLEAN_COLS)][...] = zero
+  q_rope[...] = zero
+  plgpu.commit_smem()
+
+
+def stage_store(buf, value, dst, *, src=None):
+  """Stores `value` to GMEM `dst` through SMEM `buf` by one TMA copy (of
+  `src`, a slice of `buf` shaped like `dst`, when given: the rows of `value`
+  that exist in `dst`, which a register store cannot pick out).
+
+  For 16-bit values: from registers, two 16-bit values per thread and row fill half of each
+  32-byte sector a warp store touches, which cost far more than their bytes
+  on the H200 (sparse decode's result 4-5.5% of a call, the merge's output
+  1.8-3.4 µs at batch 128; kernels/mla_decode/NOTES.md); the copy writes
+  whole rows. The caller owns `buf` until
+  `plgpu.wait_smem_to_gmem(0, wait_read_only=True)`: only then may it be
+  reused, released or left (the copy's writes land before the kernel
+  completes).
+  """
+  buf[...] = value
+  plgpu.commit_smem()  # the copy (async proxy) reads what the stores wrote
+  plgpu.copy_smem_to_gmem(buf if src is None else src, dst)
+
+
+def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
+  """Each split's normalised partial O and its LSE, float32: O
+  `[batch, num_splits, heads_padded, 512]` and LSE `[batch, num_splits,
+  heads_padded]`, or with `partial_cols` O `[batch, 512 / partial_cols,
+  heads_padded / 64, num_splits, 64, partial_cols]` and LSE `[batch,
+  heads_padded / 64, num_splits, 64]` (`merge.wide_partials` of the first
+  two)."""
+  groups = heads_padded // HEAD_TILE
+  if partial_cols is None:
+    o_shape = (batch, num_splits, heads_padded, LATENT)
+    lse_shape = (batch, num_splits, heads_padded)
+  else:
+    o_shape = (batch, LATENT // partial_cols, groups, num_splits, HEAD_TILE, partial_cols)
+    lse_shape = (batch, groups, num_splits, HEAD_TILE)
+  return (
+      jax.ShapeDtypeStruct(o_shape, jnp.float32),
+      jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+  )
+
+
+def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None):
+  """The launch of both MLA decode kernels: three warpgroups ("wg") per CTA.
+
+  The last grid axis varies fastest: make it the head group, so that the
+  CTAs reading the same KV bytes run side by side and share them in L2.
+  Pallas's automatic warpgroup barriers around SMEM stores and before TMA
+  copies are off (`unsafe_no_auto_barriers`): the body orders every
+  cross-thread hazard itself with commit_smem or mbarriers.
+
+  Args:
+    body: the kernel body, `(*input refs, *output refs) -> None`.
+    grid, grid_names: the grid and its axis names.
+    out_type: the outputs' shapes and dtypes.
+    kernel_name: the name profiles show.
+    interpret: None (compiled) or the interpreter's parameters.
+    profile_dir: where the in-kernel profiler writes each call's trace (it
+      records `PROFILE_RANGES` ranges per warpgroup; None: no profiler).
+
+  Returns:
+    The kernel call.
+  """
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=NUM_THREADS,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, unsafe_no_auto_barriers=True,
+          **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
+                  profile_bounds_check=True) if profile_dir else {}),
+      ),
+      kernel_name=kernel_name,
+      interpret=interpret,
+  )
