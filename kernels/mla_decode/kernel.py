@@ -111,8 +111,6 @@ REGIONS = (
 )
 
 
-
-
 def build_kernel(
     *,
     batch: int,
@@ -298,21 +296,18 @@ def build_kernel(
           zero_query_rows(q_lat, q_rope_smem)
         plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
 
-        def sources(row, tile):
-          """The tile's (cache block, first slot) pieces: scalar loads of the
-          block table from GMEM."""
+        def issue(row, tile, slot):
           if block_size >= TILE:
             per = block_size // TILE  # tiles per block
-            return [(table_ref[row, tile // per], lax.rem(tile, per) * TILE)]
-          # The tile's blocks; one past the row's last block reads that
-          # block again (masked), never a padded entry.
-          last_blk = (seq_len(row) + block_size - 1) // block_size - 1
-          return [
-              (table_ref[row, jnp.minimum(tile * pieces + k, last_blk)], 0)
-              for k in range(pieces)
-          ]
-
-        def issue(srcs, slot):
+            srcs = [(table_ref[row, tile // per], lax.rem(tile, per) * TILE)]
+          else:
+            # The tile's blocks; one past the row's last block reads that
+            # block again (masked), never a padded entry.
+            last_blk = (seq_len(row) + block_size - 1) // block_size - 1
+            srcs = [
+                (table_ref[row, jnp.minimum(tile * pieces + k, last_blk)], 0)
+                for k in range(pieces)
+            ]
           for k, (blk, off) in enumerate(srcs):
             src = cache_ref.at[blk, pl.ds(off, piece_slots)]
             dst = pl.ds(k * piece_slots, piece_slots)
@@ -351,7 +346,7 @@ def build_kernel(
                     lambda: plgpu.barrier_wait(free_bar.at[slot])
                 )
               with jax.named_scope("issue"):
-                issue(sources(row, lo + i), slot)
+                issue(row, lo + i, slot)
 
           return steps + n, segs + (n > 0).astype(jnp.int32)
 

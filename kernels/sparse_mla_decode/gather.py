@@ -57,6 +57,11 @@ def _row_ids_layout(tile: int):
   return plgpu.Layout.WG_STRIDED(_row_ids_shape(tile), vec_size=1)
 
 
+def _row_ids_type(tile: int):
+  """A `row_ids` array's type, for `inline_mgpu`'s `return_type`."""
+  return plgpu.ShapeDtypeStruct(_row_ids_shape(tile), jnp.int32, layout=_row_ids_layout(tile))
+
+
 def _thread_rows(tile: int):
   """This thread's rows of a tile (inside an `inline_mgpu` body): row t // 8,
   then every 16th, the rows whose 16-byte pieces `issue_gather` copies."""
@@ -77,21 +82,11 @@ def row_ids(ids, *, tile: int) -> jax.Array:
   wait (four per thread). Called by all 128 threads of one warpgroup,
   compiled only.
   """
-  layout = _row_ids_layout(tile)
-
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(),),
-      return_type=plgpu.ShapeDtypeStruct(_row_ids_shape(tile), jnp.int32, layout=layout),
-  )
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=_row_ids_type(tile))
   def _load(_ctx, ids_ref):
-    i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
-    regs = np.empty((tile // ROWS_PER_PASS,), dtype=object)
-    for p, r in enumerate(_thread_rows(tile)):
-      raw = memref.load(ids_ref, [arith.index_cast(index, r)])
-      regs[p] = vector.broadcast(ir.VectorType.get((1,), i32), raw)
-    return mgpu_fa.FragmentedArray(
-        _registers=regs, _layout=layout.to_mgpu(), _is_signed=True)
+    return _from_scalars(
+        [memref.load(ids_ref, [arith.index_cast(index, r)]) for r in _thread_rows(tile)], tile)
 
   return _load(ids)
 
@@ -99,6 +94,16 @@ def row_ids(ids, *, tile: int) -> jax.Array:
 def _scalars(ids):
   """The int32 scalars of a `row_ids` array in this thread, by register."""
   return [vector.extract(reg, [], [0]) for reg in ids.registers.flat]
+
+
+def _from_scalars(values, tile: int):
+  """A `row_ids` array from this thread's int32 scalars, one per register."""
+  i32 = ir.IntegerType.get_signless(32)
+  regs = np.empty((len(values),), dtype=object)
+  for p, v in enumerate(values):
+    regs[p] = vector.broadcast(ir.VectorType.get((1,), i32), v)
+  return mgpu_fa.FragmentedArray(
+      _registers=regs, _layout=_row_ids_layout(tile).to_mgpu(), _is_signed=True)
 
 
 def issue_gather(
@@ -228,11 +233,8 @@ def null_first_negative(ids, scratch, *, tile: int) -> jax.Array:
   Called by all 128 threads of one warpgroup, compiled only; the caller
   orders the scratch's reuse across tiles with a warpgroup barrier.
   """
-  layout = _row_ids_layout(tile)
-
   @plgpu.inline_mgpu(
-      arg_types=(layout, plgpu.RefType()),
-      return_type=plgpu.ShapeDtypeStruct(_row_ids_shape(tile), jnp.int32, layout=layout),
+      arg_types=(_row_ids_layout(tile), plgpu.RefType()), return_type=_row_ids_type(tile)
   )
   def _scan(_ctx, row_ids_, scratch_ref):
     i32 = ir.IntegerType.get_signless(32)
@@ -251,11 +253,9 @@ def null_first_negative(ids, scratch, *, tile: int) -> jax.Array:
     first = c32(tile)
     for w in range(WARPS):
       first = arith.minsi(first, memref.load(scratch_ref, [arith.constant(index, w)]))
-    regs = np.empty((len(raws),), dtype=object)
-    for p, (r, raw) in enumerate(zip(rows, raws)):
-      nulled = arith.select(arith.cmpi(arith.CmpIPredicate.eq, r, first), c32(0), raw)
-      regs[p] = vector.broadcast(ir.VectorType.get((1,), i32), nulled)
-    return mgpu_fa.FragmentedArray(_registers=regs, _layout=layout.to_mgpu(), _is_signed=True)
+    return _from_scalars(
+        [arith.select(arith.cmpi(arith.CmpIPredicate.eq, r, first), c32(0), raw)
+         for r, raw in zip(rows, raws)], tile)
 
   return _scan(ids, scratch)
 
