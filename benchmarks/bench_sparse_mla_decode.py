@@ -181,6 +181,22 @@ def main(argv=None) -> int:
     print(f"NaN poisoning (q_regs {qr}, stage_out {so}): select bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")
 
+  # Ids outside the cache are invalid exactly as -1 is: bit-equal results in
+  # both modes, with the last slot, which a clamp would read, NaN.
+  n = NUM_BLOCKS * BLOCK_SIZE
+  q, cache, idx = _inputs(16, 64, 0.1, seed=2)
+  idx = jnp.where(idx == n - 1, 1, idx)
+  far = jnp.where(jnp.arange(TOPK) % 3 == 0, n, jnp.where(jnp.arange(TOPK) % 3 == 1, -7, 2**31 - 1))
+  odd = jnp.where(idx < 0, far[None, :].astype(jnp.int32), idx)
+  poisoned = cache.reshape(-1, 576).at[n - 1].set(jnp.nan).reshape(cache.shape)
+  cfg = _pallas_config(args.splits, 16, 64)
+  for mode in args.modes:
+    f = lambda i, mode=mode: sparse_mla_decode(q, poisoned, i, sm_scale=SCALE, mask_mode=mode,
+                                               config=cfg)
+    same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(f(odd), f(idx)))
+    ok &= same
+    print(f"ids outside the cache ({mode}): bit-equal to -1: {same}")
+
   print("\nbatch heads  topk invalid mode/q_regs           us     TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")
   for r in rows:

@@ -146,6 +146,33 @@ def test_nan_poisoning():
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
 
+@pytest.mark.parametrize("mode, splits", [("select", 1), ("multiply", 2)])
+def test_ids_outside_the_cache_are_invalid(mode, splits):
+  """An id past the cache's last slot, or negative other than -1, is invalid
+  exactly as -1 is: masked, never clamped onto the last slot (NaN here, so a
+  clamp would show) as a valid key."""
+  num_slots = NUM_BLOCKS * BLOCK_SIZE
+  q, cache, idx = _inputs(41, 3, 16, 128, invalid=0.2)
+  idx = jnp.where(idx == num_slots - 1, 1, idx)  # the last slot is never valid here
+  ks, kp = jax.random.split(jax.random.key(42))
+  outside = jnp.asarray([num_slots, num_slots + 5, 2**31 - 1, -2, -(2**31)], jnp.int32)
+  pick = jax.random.randint(ks, idx.shape, 0, outside.shape[0])
+  odd = jnp.where(jax.random.uniform(kp, idx.shape) < 0.25, outside[pick], idx)
+  odd = odd.at[2].set(jnp.where(jnp.arange(128) % 2 == 0, num_slots, -1))  # nothing valid
+  as_minus_one = jnp.where((odd >= 0) & (odd < num_slots), odd, -1)
+  assert (np.asarray(odd) != np.asarray(as_minus_one)).sum() > 40
+  rows = cache.reshape(-1, 576)
+  poisoned = rows.at[num_slots - 1].set(jnp.nan).reshape(cache.shape)
+
+  out, lse = _run(q, poisoned, odd, mode, splits=splits, interpret=FAST)
+  want_out, want_lse = _run(q, poisoned, as_minus_one, mode, splits=splits, interpret=FAST)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+  assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
+  ref_out, ref_lse = sparse_mla_decode_reference(q, poisoned, odd, sm_scale=SCALE, mask_mode=mode)
+  _check(out[:2], lse[:2], ref_out[:2], ref_lse[:2])
+
+
 def test_inside_jit_with_traced_indices():
   q, cache, idx = _inputs(3, 1, 16, 128)
   f = jax.jit(lambda q, c, i: _run(q, c, i, "select", 2))

@@ -44,7 +44,7 @@ LANES_PER_ROW = 8  # threads per 128-byte span of a row
 ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
 SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 WARPS = 4  # per warpgroup
-# int32s of `null_first_negative`'s SMEM scratch: a slot per warp.
+# int32s of `null_first_invalid`'s SMEM scratch: a slot per warp.
 FIRST_NEGATIVE_SCRATCH = WARPS
 
 
@@ -75,7 +75,7 @@ def _thread_rows(tile: int):
 def row_ids(ids, *, tile: int) -> jax.Array:
   """The ids of the rows each thread copies, from `ids` (`[tile]` int32 SMEM)
   into registers: an int32 array whose register p in thread t is
-  `ids[t // 8 + 16 p]`, for `null_first_negative` and `issue_gather`.
+  `ids[t // 8 + 16 p]`, for `null_first_invalid` and `issue_gather`.
 
   Loaded before the producer waits for the tile's stage, so that the copies
   start at once when it comes free: the values stay in registers across the
@@ -115,9 +115,9 @@ def issue_gather(
   Called by all 128 threads of one warpgroup, compiled only.
 
   Args:
-    ids: the tile's cache rows as `row_ids` holds them in registers (clamped
-      into the cache). A negative id copies nothing (row r keeps what it
-      held).
+    ids: the tile's cache rows as `row_ids` holds them in registers. An id
+      outside the cache (-1, or past its last row) copies nothing (row r
+      keeps what it held).
     cache: `[num_rows, 576]` bf16 GMEM ref.
     k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
       `transforms`.
@@ -198,7 +198,7 @@ def issue_gather(
           arith.extui(i64, arith.muli(lane, c32(PIECE))),
       )
       src = mgpu_utils.getelementptr(cache_ptr, [src_off], i8)
-      with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, raw, c32(0))):
+      with mgpu_utils.when(_inside(raw, num_rows)):
         copy_row(src, p)
     # The indices: one 16-byte piece (4 of them) per thread of the first few.
     idx_pieces = tile * 4 // PIECE
@@ -218,12 +218,20 @@ def issue_gather(
   _issue(ids, cache, k_lat, k_rope, idx_src, idx_dst, bar)
 
 
-def null_first_negative(ids, scratch, *, tile: int) -> jax.Array:
-  """`ids` (as `row_ids` holds them) with the tile's first negative id, if
-  any, replaced by 0: "multiply" copies the null block's slot 0 for that row
-  (and nothing for the tile's other -1s), so a non-finite null block reaches
-  the accumulator with p = 0 as in production kernels. The rows' indices the
-  consumers mask by are copied from GMEM and keep the -1.
+def _inside(raw, num_rows: int):
+  """Whether the int32 id `raw` names a row of a `num_rows`-row cache: one
+  unsigned compare (a negative id is a huge unsigned one)."""
+  i32 = ir.IntegerType.get_signless(32)
+  return arith.cmpi(arith.CmpIPredicate.ult, raw, mgpu_utils.c(num_rows, i32))
+
+
+def null_first_invalid(ids, scratch, *, tile: int, num_rows: int) -> jax.Array:
+  """`ids` (as `row_ids` holds them) with the tile's first invalid id (-1, or
+  any id outside the `num_rows` rows of the cache), if any, replaced by 0:
+  "multiply" copies the null block's slot 0 for that row (and nothing for
+  the tile's other invalid ids), so a non-finite null block reaches the
+  accumulator with p = 0 as in production kernels. The rows' indices the
+  consumers mask by are copied from GMEM and keep their values.
 
   The first such row: each thread's first among the rows it copies, the
   warp's by one `redux.sync`, the four warps' through `scratch` (`[4]` int32
@@ -244,7 +252,7 @@ def null_first_negative(ids, scratch, *, tile: int) -> jax.Array:
     rows, raws = _thread_rows(tile), _scalars(row_ids_)
     first = c32(tile)
     for r, raw in reversed(list(zip(rows, raws))):
-      first = arith.select(arith.cmpi(arith.CmpIPredicate.slt, raw, c32(0)), r, first)
+      first = arith.select(_inside(raw, num_rows), first, r)
     first = nvvm.redux_sync(first, mgpu_utils.ReductionKind.MIN, c32(-1))
     warp = arith.divui(t, c32(32))
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(t, c32(32)), c32(0))):

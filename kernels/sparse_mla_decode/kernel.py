@@ -21,13 +21,14 @@ O[:, 256w:256w+256] over all 64 slots), the halves met in the "seesaw" order
 (`mla_decode.seesaw.seesaw_tile`: warpgroup 0's maximum is handed on, each
 multiplies its own P at once and the other's when it arrives).
 
-Masking. Any slot of any tile can be a -1, so every tile is masked: each
+Masking. Any slot of any tile can be invalid (-1, or any id outside the
+cache: never clamped onto some other slot), so every tile is masked: each
 stage's 64 indices land in SMEM with its rows, and the consumers give an
-index < 0 the score -inf in both modes. What the producer copies for a -1
-differs: "select" copies nothing (the stage was zeroed at the start, so the
+invalid index the score -inf in both modes. What the producer copies for
+one differs: "select" copies nothing (the stage was zeroed at the start, so the
 row holds finite bytes: zeros or an earlier row of this CTA's own selection,
 weighted exactly 0), so no slot outside the row's selection is ever read;
-"multiply" reads slot 0 (the null block) for the first -1 of each tile and
+"multiply" reads slot 0 (the null block) for the first invalid id of each tile and
 nothing for the others, so a non-finite null block meets p = 0 in the
 accumulator (0 * NaN = NaN) and poisons the row exactly as in production
 kernels, which read it for every -1 (once or many times, 0 * NaN is NaN and
@@ -90,7 +91,7 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
     FIRST_NEGATIVE_SCRATCH,
     init_barriers,
     issue_gather,
-    null_first_negative,
+    null_first_invalid,
     row_ids,
     wait_barrier,
     warpgroup_barrier,
@@ -131,8 +132,9 @@ def build_kernel(
 
   Returns a function `(q, cache_rows, indices) -> (o, lse)` with q
   `[batch, heads_padded, 576]` bf16, cache_rows `[num_slots, 576]` bf16 (the
-  cache with blocks and slots merged), indices `[batch, topk]` int32 (-1:
-  masked; "multiply" reads slot 0 for the first -1 of each tile). With several
+  cache with blocks and slots merged), indices `[batch, topk]` int32 (-1 or
+  any id outside `[0, num_slots)`: masked; "multiply" reads slot 0 for the
+  first of each tile). With several
   splits, o `[batch, num_splits, heads_padded, 512]` f32 and lse `[batch,
   num_splits, heads_padded]` f32 are each split's partial result, for
   `combine_splits`. With one split they are the result itself, with no split
@@ -182,6 +184,10 @@ def build_kernel(
     g = lax.axis_index("g")
     split = lax.axis_index("s")
     b = lax.axis_index("b")
+    num_slots = cache_ref.shape[0]
+
+    def inside(ids):  # valid: an id of a cache slot; -1 and the rest are masked
+      return (ids >= 0) & (ids < num_slots)
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     tok0 = split * (num_tiles * TILE)
 
@@ -194,10 +200,10 @@ def build_kernel(
       # other); xchg [2, 64] f32: the maxima each consumer hands on (at the
       # end its row sums); m0_bar ... p1_free: `seesaw_barriers()`;
       # ids [IDX_STAGES, 64] int32: the producer's ring of slot ids;
-      # stage_idx [stages, 64] int32: each stage's indices (-1: masked);
+      # stage_idx [stages, 64] int32: each stage's indices (invalid: masked);
       # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
       # stage: its tile's copies landed) and in "multiply" scratch [4]
-      # int32 (`gather.null_first_negative`: a tile's first -1 per warp);
+      # int32 (`gather.null_first_invalid`: a tile's first invalid id per warp);
       # interpreted, the RoPE
       # query's buffer and ready_bar (a stage's copies landed).
       # Compiled, the RoPE query lands in p_smem and moves to registers
@@ -236,7 +242,7 @@ def build_kernel(
 
         for t in range(min(IDX_STAGES, num_tiles)):
           fetch_ids(t)
-        # A -1 copies nothing (but in "multiply" the first of a tile), so its
+        # An invalid id copies nothing (but in "multiply" the first of a tile), so its
         # row keeps what the stage held: finite bytes (zeros, or a row this CTA
         # gathered before), weighted exactly 0.
         if compiled:
@@ -262,18 +268,18 @@ def build_kernel(
 
             if select:
               first = TILE
-            else:  # the tile's first -1 reads the null block
+            else:  # the tile's first invalid id reads the null block
               col = lax.broadcasted_iota(jnp.int32, (TILE,), 0)
-              first = jnp.min(jnp.where(ids[ring] < 0, col, TILE))
+              first = jnp.min(jnp.where(inside(ids[ring]), TILE, col))
 
             @pl.loop(0, TILE)
             def _(r):
               sid = ids[ring, r]
-              copy = (sid >= 0) | (r == first)
+              copy = inside(sid) | (r == first)
 
               @pl.when(copy)
               def _():
-                src = cache_ref.at[pl.ds(jnp.maximum(sid, 0), 1)]
+                src = cache_ref.at[pl.ds(jnp.where(inside(sid), sid, 0), 1)]
                 for h in range(2):
                   plgpu.copy_gmem_to_smem(
                       src.at[:, pl.ds(h * HALF, HALF)],
@@ -299,8 +305,8 @@ def build_kernel(
         def _(i):
           stage = lax.rem(i, NUM_STAGES)
           # Compiled, the producer loads the tile's ids into registers (and
-          # in "multiply" points the first -1 at the null block,
-          # `null_first_negative`) before it waits for the tile's stage: that
+          # in "multiply" points the first invalid id at the null block,
+          # `null_first_invalid`) before it waits for the tile's stage: that
           # runs while the consumers still read the stage, and the copies go
           # out as soon as it comes free.
           tile_ids = None
@@ -309,7 +315,7 @@ def build_kernel(
             plgpu.barrier_wait(idx_bar.at[ring])
             tile_ids = row_ids(ids.at[ring], tile=TILE)
             if not select:
-              tile_ids = null_first_negative(tile_ids, scratch, tile=TILE)
+              tile_ids = null_first_invalid(tile_ids, scratch, tile=TILE, num_rows=num_slots)
           pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
           gather(i, stage, tile_ids)
           # Every thread's reads of the tile's ids before their refill (the
@@ -352,7 +358,7 @@ def build_kernel(
           idx = plgpu.load(stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
           s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=q_head)
-          valid = lax.broadcast_in_dim(idx >= 0, s.shape, [1])
+          valid = lax.broadcast_in_dim(inside(idx), s.shape, [1])
           s = jnp.where(valid, s * scale_log2, -jnp.inf)
           # m starts at a finite floor below any score, so a row with no
           # valid index so far gets p = exp2(-inf - floor) = 0, never NaN.

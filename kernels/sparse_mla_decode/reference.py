@@ -25,19 +25,21 @@ def sparse_mla_decode_reference(
   """Absorbed MLA decode over the cache slots a row selected.
 
   Row `b` attends to the tokens in slots `indices[b, :]` (global slot id
-  `block * block_size + offset`); `-1` marks an invalid entry. A slot listed
-  twice counts twice. An invalid entry gets probability 0 in both modes. In
+  `block * block_size + offset`); `-1` marks an invalid entry, and so does
+  any id outside `[0, num_blocks * block_size)` (a caller's stale or
+  foreign id never reads some other slot). A slot listed twice counts twice.
+  An invalid entry gets probability 0 in both modes. In
   "multiply" mode it is clamped to slot 0 (block 0, the null block) and that
   slot's value row is still accumulated with probability 0, so NaN there
   yields NaN in the row (as in production kernels); in "select" mode it never
   reaches the accumulator. A row without a valid entry attended to nothing:
-  `out` 0 and `lse` -inf in both modes. Entries at or past `num_blocks *
-  block_size` are out of contract.
+  `out` 0 and `lse` -inf in both modes.
 
   Args:
     q: `[batch, heads, 576]` queries (512 latent + 64 RoPE channels).
     cache: `[num_blocks, block_size, 576]` latent cache.
-    indices: `[batch, topk]` int32 global slot ids, -1 invalid.
+    indices: `[batch, topk]` int32 global slot ids; -1 (or any id outside
+      the cache) invalid.
     sm_scale: scale of the logits `q . k`.
     dv: value channels (the first `dv` cache channels).
     mask_mode: "select" or "multiply".
@@ -51,8 +53,8 @@ def sparse_mla_decode_reference(
     raise ValueError(f"{mask_mode=} must be one of {MASK_MODES}")
   with jax.named_scope("jaxkv.sparse_mla_decode_reference"):
     rows = cache.reshape(-1, cache.shape[-1])
-    valid = indices >= 0  # [batch, topk]
-    kv = rows[jnp.maximum(indices, 0)]  # [batch, topk, 576]
+    valid = (indices >= 0) & (indices < rows.shape[0])  # [batch, topk]
+    kv = rows[jnp.where(valid, indices, 0)]  # [batch, topk, 576]
     # "multiply" accumulates every gathered row, clamped -1s included.
     keep = valid if mask_mode == "select" else jnp.ones_like(valid)
     return attention_reference(q, kv, valid, keep, sm_scale=sm_scale, dv=dv)

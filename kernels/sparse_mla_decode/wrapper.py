@@ -37,7 +37,8 @@ def sparse_mla_decode(
 
   (Inputs are annotated loosely so that bad shapes reach the ValueError checks.)
 
-  Semantics are those of `sparse_mla_decode_reference`: `-1` entries get
+  Semantics are those of `sparse_mla_decode_reference`: `-1` entries (and
+  any id outside the cache, which is never clamped onto another slot) get
   probability 0; "multiply" clamps them to slot 0 (the null block) and still
   accumulates its value row, "select" never lets them reach the accumulator
   (the kernel reads nothing for them: no slot outside the selection is
@@ -52,7 +53,8 @@ def sparse_mla_decode(
       in XLA (and, except for one split's bf16 result, the result is sliced).
     cache: `[num_blocks, block_size, 576]` bf16 latent cache.
     indices: `[batch, topk]` int32 global slot ids (`block * block_size +
-      offset`), -1 invalid; topk a multiple of 64, at most 2048.
+      offset`), -1 (or any id outside `[0, num_blocks * block_size)`)
+      invalid; topk a multiple of 64, at most 2048.
     sm_scale: scale of the logits `q . k`.
     dv: value channels; the kernel supports 512.
     mask_mode: "select" (NaN-safe) or "multiply" (like production kernels).
