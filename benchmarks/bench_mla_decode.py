@@ -233,7 +233,37 @@ def check_correctness(rng, variant="default"):
   want_nan = [s % BS != 0 for s in lens_np]
   print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
   ok = all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
-  return check_block_sizes(rng, cfg) and check_grouped(rng, kernel_kw) and ok
+  return (check_block_sizes(rng, cfg) and check_grouped(rng, kernel_kw)
+          and check_blocks_outside_the_cache(rng, cfg) and ok)
+
+
+def check_blocks_outside_the_cache(rng, cfg):
+  """Block-table entries outside `[0, num_blocks)` for a row's tokens read
+  as zeros (the copies' out-of-bounds fill), never another block: in both
+  modes the kernel matches the reference over the cache with a zero block
+  appended and those entries pointed at it, on a cache whose last block is
+  NaN (which a clamp would read)."""
+  lens_np = [300, 129, 64, 1000]
+  lens = jnp.asarray(lens_np, jnp.int32)
+  nb = 40
+  cache = jax.random.normal(jax.random.key(11), (nb, BS, D), jnp.bfloat16).at[nb - 1].set(jnp.nan)
+  q = jax.random.normal(jax.random.key(12), (len(lens_np), 64, D), jnp.bfloat16)
+  table = np.asarray(table_for(rng, lens_np, nb - 1, 20))
+  outside = np.array([[0, 2], [1, 0], [3, 5], [3, 15]])  # (row, block) inside each row
+  table[outside[:, 0], outside[:, 1]] = [nb, -3, 2**31 - 1, nb + 7]
+  zero_block = table.copy()
+  zero_block[outside[:, 0], outside[:, 1]] = nb
+  cache_z = jnp.concatenate([cache, jnp.zeros((1, BS, D), cache.dtype)])
+  good = True
+  for mode in ("select", "multiply"):
+    out, lse = mla_decode(q, cache, jnp.asarray(table), lens, sm_scale=D**-0.5, mask_mode=mode,
+                          config=cfg)
+    ro, rl = mla_decode_reference(q, cache_z, jnp.asarray(zero_block), lens, sm_scale=D**-0.5,
+                                  mask_mode=mode)
+    err, lerr, finite = errors(out, lse, ro, rl)
+    print(f"blocks outside the cache ({mode}): rel_err {err:.2e} lse_err {lerr:.2e} finite {finite}")
+    good &= err < 1e-2 and lerr < 1e-2 and finite
+  return good
 
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.

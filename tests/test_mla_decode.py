@@ -222,6 +222,25 @@ def test_reference_modes_on_poison():
   )
 
 
+def test_reference_reads_blocks_outside_the_cache_as_zeros():
+  """A row's block-table entry outside `[0, num_blocks)` reads as a block of
+  zeros (what the kernel's out-of-bounds copies land; the benchmark checks the
+  kernel on the GPU, where the interpreter refuses such reads), never the
+  cache's first or last block, both of which are NaN here."""
+  q, cache, table, lens = _problem(4, [3 * BS, 2 * BS + 9], 8)
+  cache[0] = cache[-1] = np.nan  # neither the null block nor an unused one is any row's
+  outside = table.copy()
+  outside[0, 1], outside[1, 0], outside[1, 2] = cache.shape[0], -1, 2**31 - 1
+  with_zeros = np.concatenate([cache, np.zeros_like(cache[:1])])
+  zero_ids = np.where(outside != table, cache.shape[0], table)
+  for mode in ("select", "multiply"):
+    got = _ref(q, cache, outside, lens, mode)
+    want = _ref(q, with_zeros, zero_ids, lens, mode)
+    assert np.isfinite(np.asarray(got[0], np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 def test_reference_jits_with_traced_lengths():
   q, cache, table, lens = _problem(3, [BS + 1, 3], 4)
   f = jax.jit(lambda t, s: _ref(q, cache, t, s))
@@ -1033,7 +1052,8 @@ def test_unpadded_heads_lower_for_hopper(heads, kv_swizzle, group):
   o, lse = jax.eval_shape(decode, *args)
   combine = merge.build_merge(
       batch=batch, num_splits=splits, heads_padded=hp, dv=512, max_tokens=mb * 64,
-      out_dtype=jnp.bfloat16, interpret=None, stage_out=True, out_heads=heads, group=group, **tiling)
+      out_dtype=jnp.bfloat16, interpret=None, stage_out=True, out_heads=heads, group=group,
+      partial_heads=heads, **tiling)
   out, lse_out = jax.eval_shape(combine, i32(batch), i32(batch, splits + 1), o, lse)
   assert out.shape == (batch, heads, 512) and lse_out.shape == (batch, heads)
   text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(

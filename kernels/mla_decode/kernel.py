@@ -69,10 +69,12 @@ from .layout import (
     SLOT_HALF,
     TILE,
     bf16_tile,
+    by_head_group,
     last_group_rows,
     launch,
     load_query,
     split_outputs,
+    store_head_rows,
     zero_query_rows,
 )
 from .seesaw import (
@@ -193,7 +195,9 @@ def build_kernel(
   a padded row's scores, softmax and partial stay in that row, as every
   wgmma row and softmax row is its own). This saves the caller's pad of q to
   64 heads (an XLA op of its own per call). The partials keep
-  `heads_padded` rows. None: q is padded already.
+  `heads_padded` rows, but in the last head group only its real rows are
+  written (`layout.store_head_rows`: compiled, in whole warps' 16 rows),
+  and the merge reads no others. None: q is padded already.
 
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
@@ -222,7 +226,8 @@ def build_kernel(
   piece_slots = min(block_size, TILE)
   scale_log2 = float(sm_scale) * LOG2E
   dtype = jnp.bfloat16
-  rope_in_regs = interpret is None
+  compiled = interpret is None
+  rope_in_regs = compiled
 
   def mla_decode_kernel(
       q_ref,  # [batch, q_heads, 576] bf16, GMEM
@@ -471,14 +476,24 @@ def build_kernel(
           o, lse = softmax_finish(acc, m_i, l_i)
           cols = pl.ds(wg * HALF, HALF)
 
+          def store(dst, value):
+            # A last head group of fewer real heads stores their rows alone
+            # (the merge reads no others).
+            by_head_group(
+                g, head_groups=head_groups, tail_heads=tail_heads,
+                whole=lambda: store_head_rows(dst, value, HEAD_TILE, compiled=compiled),
+                tail=lambda: store_head_rows(dst, value, tail_heads, compiled=compiled),
+            )
+
           @jax.named_scope("store")
           def partial():
             if partial_cols is None:
-              o_ref[row, split, heads, cols] = o
+              store(o_ref.at[row, split, heads, cols], o)
             else:  # this half's channels, partial_cols at a time
               per = HALF // partial_cols
               for k in range(per):
-                o_ref[row, wg * per + k, g, split] = o[:, k * partial_cols:(k + 1) * partial_cols]
+                store(o_ref.at[row, wg * per + k, g, split],
+                      o[:, k * partial_cols:(k + 1) * partial_cols])
             if wg == 0:
               if partial_cols is None:
                 lse_ref[row, split, heads] = lse

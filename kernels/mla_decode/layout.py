@@ -9,7 +9,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith
 
 from .reference import READ_TILE
 
@@ -129,6 +132,42 @@ def stage_store(buf, value, dst, *, src=None):
   buf[...] = value
   plgpu.commit_smem()  # the copy (async proxy) reads what the stores wrote
   plgpu.copy_smem_to_gmem(buf if src is None else src, dst)
+
+
+# Rows of a `[64, n]` WGMMA-layout array that one warp of its warpgroup holds.
+WARP_ROWS = 16
+
+
+def store_head_rows(dst, value, rows: int, *, compiled: bool) -> None:
+  """Stores the first `rows` of the 64 rows of `value` (a `[64, n]`
+  WGMMA-layout array, one per warpgroup) to the GMEM ref `dst` (`[64, n]`):
+  a head group's real heads, without the bytes of its padded rows.
+
+  A WGMMA-layout array cannot be sliced by rows (its tile is 64 rows), but
+  warp w of the warpgroup holds rows `[16w, 16w + 16)` of it: compiled, the
+  warps that hold any of the first `rows` store theirs (so up to 15 rows
+  past `rows` are written too) and the others store nothing; interpreted,
+  the slice `value[:rows]` is stored. Either way rows from `rows` on keep
+  nothing a reader may use.
+  """
+  if rows == HEAD_TILE:
+    dst[...] = value
+    return
+  if not compiled:
+    dst.at[pl.ds(0, rows)][...] = value[:rows]
+    return
+  warps = -(-rows // WARP_ROWS)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def _store(_ctx, v, ref):
+    i32 = ir.IntegerType.get_signless(32)
+    warp = arith.divui(arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32)),
+                       mgpu_utils.c(32, i32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, warp, mgpu_utils.c(warps, i32))):
+      # Per-thread stores at each thread's own rows: no collective inside.
+      v.store_untiled(ref, swizzle=16, optimized=False)
+
+  _store(value, dst)
 
 
 def split_outputs(batch, num_splits, heads_padded, partial_cols=None):

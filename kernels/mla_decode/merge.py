@@ -209,6 +209,7 @@ def build_merge(
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
     group: bool = False, stage_out: bool = False, out_heads: int | None = None,
+    partial_heads: int | None = None,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -252,6 +253,15 @@ def build_merge(
   and a multiple of 8, instead of `heads_padded`: the last head group's CTAs
   copy their tiles' real rows alone (its LSE staged too), so that the caller
   needs no slice of the padded result (an XLA op per output and call).
+
+  `partial_heads`: the real heads of o, when fewer than `heads_padded` (a
+  multiple of 8 past `heads_padded - 64`): the decode kernel writes the last
+  head group's real rows of its partials alone (`layout.store_head_rows`),
+  and the per-split ring copies those alone (a box of as many rows), which
+  saves their padding's bytes. The other rows of the tile in SMEM hold
+  whatever they held and stay in their rows: every row of the merge is its
+  own, and no store writes them. The grouped pass reads whole tiles (one
+  bulk copy of a group's splits) and needs none of it either.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -271,6 +281,8 @@ def build_merge(
   head_groups = heads_padded // HEAD_TILE
   tail_heads = last_group_rows(out_heads, heads_padded)
   assert tail_heads == HEAD_TILE or (stage_out and chunk is None and not finish_rows)
+  in_tail = last_group_rows(heads_padded if partial_heads is None else partial_heads,
+                            heads_padded)
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, *refs):
     if tail_heads < HEAD_TILE:
@@ -341,9 +353,17 @@ def build_merge(
 
     def fetch(j):
       slot = lax.rem(j, stages)
-      src = first + j
-      plgpu.copy_gmem_to_smem(o_ref.at[b, src, heads, chans], o_buf.at[slot], bar.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[b, src, heads], lse_buf.at[slot], bar.at[slot])
+      src = o_ref.at[b, first + j]
+      by_head_group(
+          lax.axis_index("g"), head_groups=head_groups, tail_heads=in_tail,
+          whole=lambda: plgpu.copy_gmem_to_smem(
+              src.at[heads, chans], o_buf.at[slot], bar.at[slot]),
+          # The last head group's real rows alone, into the tile's first rows.
+          tail=lambda: plgpu.copy_gmem_to_smem(
+              src.at[pl.ds(heads_padded - HEAD_TILE, in_tail), chans],
+              o_buf.at[slot, pl.ds(0, in_tail)], bar.at[slot]),
+      )
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, first + j, heads], lse_buf.at[slot], bar.at[slot])
 
     for k in range(stages):
       pl.when(k < n)(lambda k=k: fetch(k))

@@ -27,7 +27,9 @@ def mla_decode_reference(
   Row `b` attends to its first `seq_lens[b]` tokens, token `t` living in slot
   `t % block_size` of block `block_table[b, t // block_size]`. The blocks a
   row *reads* are the `ceil(seq_len / block_size)` ones that hold its tokens;
-  padded table entries past them are never dereferenced. Inside the last read
+  padded table entries past them are never dereferenced. An entry of a read
+  block outside `[0, num_blocks)` reads as zeros (the kernel's copies fill
+  out-of-bounds boxes with zeros), never some other block. Inside the last read
   block the slots at or past `seq_len` are unwritten: their scores are masked
   in both modes; in "multiply" mode the value rows of those the kernel reads
   (it reads in tiles of 64 slots: up to `seq_len` rounded up to
@@ -57,7 +59,9 @@ def mla_decode_reference(
     max_blocks = block_table.shape[1]
     span = max_blocks * block_size
     seq = jnp.clip(seq_lens, 0, span)
-    kv = cache[block_table].reshape(block_table.shape[0], span, cache.shape[-1])
+    inside = (block_table >= 0) & (block_table < cache.shape[0])
+    kv = jnp.where(inside[:, :, None, None], cache[jnp.where(inside, block_table, 0)], 0)
+    kv = kv.reshape(block_table.shape[0], span, cache.shape[-1])
     pos = jnp.arange(span, dtype=jnp.int32)[None, :]
     valid = pos < seq[:, None]  # [batch, span]
     unit = min(block_size, READ_TILE)

@@ -197,13 +197,17 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
+  # The partials' real rows (the kernel writes no others), which the first
+  # pass or the one pass reads alone.
+  partial_heads = dict(partial_heads=q_rows)
   if not group and plan.num_splits > _merge.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
     # results as the rows' splits.
     chunk = _merge.CHUNK
     first = _merge.build_merge(
-        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **merge_args)
+        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **partial_heads,
+        **merge_args)
     o, lse = first(seq_lens, plan.bounds, o, lse)
     # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
@@ -218,7 +222,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # merge 2-3.4 µs more at batch 128 on the H200, NOTES.md).
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      stage_out=stage_merge_out, out_heads=out_rows, **tiling, **merge_args
+      stage_out=stage_merge_out, out_heads=out_rows, **partial_heads, **tiling, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return _layout.real_heads(out, lse_out, heads)

@@ -71,6 +71,7 @@ from jaxkv.kernels.mla_decode.layout import (
     load_query,
     split_outputs,
     stage_store,
+    store_head_rows,
     zero_query_rows,
 )
 from jaxkv.kernels.mla_decode.seesaw import (
@@ -156,7 +157,9 @@ def build_kernel(
   real rows alone into the first rows of the query's tiles, whose other rows
   the producer zeroes before the copies. With `stage_out` the result then
   has `q_heads` rows too: the last head group stores its real rows alone by
-  TMA (its LSE staged likewise). None: q is padded already.
+  TMA (its LSE staged likewise). With several splits the last head group's
+  partials are written for its real rows alone (`layout.store_head_rows`),
+  the rows the combine reads. None: q is padded already.
   """
   assert topk % (TILE * num_splits) == 0
   check_choice("q_regs", q_regs, Q_REGS)
@@ -406,7 +409,14 @@ def build_kernel(
             if wg == 0:
               lse_ref[b, heads] = lse
         else:
-          o_ref[b, split, heads, cols] = o
+          # A last head group of fewer real heads stores their rows alone:
+          # the combine reads no others.
+          dst = o_ref.at[b, split, heads, cols]
+          by_head_group(
+              g, head_groups=head_groups, tail_heads=tail_heads,
+              whole=lambda: store_head_rows(dst, o, HEAD_TILE, compiled=compiled),
+              tail=lambda: store_head_rows(dst, o, tail_heads, compiled=compiled),
+          )
           if wg == 0:
             lse_ref[b, split, heads] = lse
 
