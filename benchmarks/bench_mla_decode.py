@@ -248,7 +248,7 @@ def check_blocks_outside_the_cache(rng, cfg):
   nb = 40
   cache = jax.random.normal(jax.random.key(11), (nb, BS, D), jnp.bfloat16).at[nb - 1].set(jnp.nan)
   q = jax.random.normal(jax.random.key(12), (len(lens_np), 64, D), jnp.bfloat16)
-  table = np.asarray(table_for(rng, lens_np, nb - 1, 20))
+  table = np.array(table_for(rng, lens_np, nb - 1, 20))
   outside = np.array([[0, 2], [1, 0], [3, 5], [3, 15]])  # (row, block) inside each row
   table[outside[:, 0], outside[:, 1]] = [nb, -3, 2**31 - 1, nb + 7]
   zero_block = table.copy()
