@@ -103,7 +103,8 @@ def mla_decode(
     cache: `[num_blocks, block_size, 576]` bf16 latent cache (512 latent +
       64 RoPE), block_size 32, 64 or 128.
     block_table: `[batch, max_blocks]` int32, padded with 0 (never read past
-      a row's blocks).
+      a row's blocks). An entry of a row's blocks outside `[0, num_blocks)`
+      reads as a block of zeros, never another block.
     seq_lens: `[batch]` int32; 0 gives `out = 0`, `lse = -inf` and reads
       nothing; values are clipped to `[0, max_blocks * block_size]`.
     sm_scale: scale of the logits.
