@@ -198,17 +198,14 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
-  # The partials' real rows (the kernel writes no others), which the first
-  # pass or the one pass reads alone.
-  partial_heads = dict(partial_heads=q_rows)
   if not group and plan.num_splits > _merge.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
     # results as the rows' splits.
     chunk = _merge.CHUNK
     first = _merge.build_merge(
-        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk, **partial_heads,
-        **merge_args)
+        num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
+        partial_heads=q_rows, **merge_args)
     o, lse = first(seq_lens, plan.bounds, o, lse)
     # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
@@ -217,13 +214,15 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
     return _layout.real_heads(out, lse_out, heads)
-  # A row's live splits are its first ones; the merge reads those alone,
-  # never the unwritten rest, and writes the rows the kernel did not: by TMA
-  # from SMEM (`stage_merge_out`; from registers, its bf16 stores cost the
-  # merge 2-3.4 µs more at batch 128 on the H200, NOTES.md).
+  # A row's live splits are its first ones; the merge reads those alone (of
+  # the last head group's partials, the `q_rows` real rows the kernel wrote
+  # alone), never the unwritten rest, and writes the rows the kernel did not:
+  # by TMA from SMEM (`stage_merge_out`; from registers, its bf16 stores cost
+  # the merge 2-3.4 µs more at batch 128 on the H200, NOTES.md).
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
-      stage_out=stage_merge_out, out_heads=out_rows, **partial_heads, **tiling, **merge_args
+      stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
+      **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
   return _layout.real_heads(out, lse_out, heads)

@@ -45,7 +45,7 @@ ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
 SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
 WARPS = 4  # per warpgroup
 # int32s of `null_first_invalid`'s SMEM scratch: a slot per warp.
-FIRST_NEGATIVE_SCRATCH = WARPS
+FIRST_INVALID_SCRATCH = WARPS
 
 
 def _row_ids_shape(tile: int) -> tuple[int]:

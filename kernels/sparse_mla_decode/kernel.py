@@ -25,11 +25,11 @@ Masking. Any slot of any tile can be invalid (-1, or any id outside the
 cache: never clamped onto some other slot), so every tile is masked: each
 stage's 64 indices land in SMEM with its rows, and the consumers give an
 invalid index the score -inf in both modes. What the producer copies for
-one differs: "select" copies nothing (the stage was zeroed at the start, so the
-row holds finite bytes: zeros or an earlier row of this CTA's own selection,
-weighted exactly 0), so no slot outside the row's selection is ever read;
-"multiply" reads slot 0 (the null block) for the first invalid id of each tile and
-nothing for the others, so a non-finite null block meets p = 0 in the
+one differs: "select" copies nothing (the stage was zeroed at the start, so
+the row holds finite bytes: zeros or an earlier row of this CTA's own
+selection, weighted exactly 0), so no slot outside the row's selection is
+ever read; "multiply" reads slot 0 (the null block) for the first invalid
+id of each tile and nothing for the others, so a non-finite null block meets p = 0 in the
 accumulator (0 * NaN = NaN) and poisons the row exactly as in production
 kernels, which read it for every -1 (once or many times, 0 * NaN is NaN and
 0 * finite adds +0), without every CTA of the step reading one hot row.
@@ -89,7 +89,7 @@ from jaxkv.kernels.mla_decode.seesaw import (
 )
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
-    FIRST_NEGATIVE_SCRATCH,
+    FIRST_INVALID_SCRATCH,
     init_barriers,
     issue_gather,
     null_first_invalid,
@@ -135,9 +135,9 @@ def build_kernel(
   `[batch, heads_padded, 576]` bf16, cache_rows `[num_slots, 576]` bf16 (the
   cache with blocks and slots merged), indices `[batch, topk]` int32 (-1 or
   any id outside `[0, num_slots)`: masked; "multiply" reads slot 0 for the
-  first of each tile). With several
-  splits, o `[batch, num_splits, heads_padded, 512]` f32 and lse `[batch,
-  num_splits, heads_padded]` f32 are each split's partial result, for
+  first of each tile). With several splits, o `[batch, num_splits,
+  heads_padded, 512]` f32 and lse `[batch, num_splits, heads_padded]` f32
+  are each split's partial result, for
   `combine_splits`. With one split they are the result itself, with no split
   axis: o `[batch, heads_padded, 512]` in `out_dtype` (0 where a row has no
   valid index) and lse `[batch, heads_padded]` f32.
@@ -191,6 +191,7 @@ def build_kernel(
 
     def inside(ids):  # valid: an id of a cache slot; -1 and the rest are masked
       return (ids >= 0) & (ids < num_slots)
+
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     tok0 = split * (num_tiles * TILE)
 
@@ -206,9 +207,9 @@ def build_kernel(
       # stage_idx [stages, 64] int32: each stage's indices (invalid: masked);
       # extra_refs: compiled, landed [stages, 2] int32 (one mbarrier per
       # stage: its tile's copies landed) and in "multiply" scratch [4]
-      # int32 (`gather.null_first_invalid`: a tile's first invalid id per warp);
-      # interpreted, the RoPE
-      # query's buffer and ready_bar (a stage's copies landed).
+      # int32 (`gather.null_first_invalid`: a tile's first invalid id per
+      # warp); interpreted, the RoPE query's buffer and ready_bar (a stage's
+      # copies landed).
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
@@ -245,9 +246,9 @@ def build_kernel(
 
         for t in range(min(IDX_STAGES, num_tiles)):
           fetch_ids(t)
-        # An invalid id copies nothing (but in "multiply" the first of a tile), so its
-        # row keeps what the stage held: finite bytes (zeros, or a row this CTA
-        # gathered before), weighted exactly 0.
+        # An invalid id copies nothing (but in "multiply" the first of a
+        # tile), so its row keeps what the stage held: finite bytes (zeros, or
+        # a row this CTA gathered before), weighted exactly 0.
         if compiled:
           zero_fill(k_lat, k_rope, transforms=bf16)
         else:
@@ -426,7 +427,7 @@ def build_kernel(
     if compiled:
       extra = [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
-          *([] if select else [plgpu.SMEM((FIRST_NEGATIVE_SCRATCH,), jnp.int32)]),
+          *([] if select else [plgpu.SMEM((FIRST_INVALID_SCRATCH,), jnp.int32)]),
       ]
     else:
       # A stage is ready when the tile's 3 copies per row and its indices'
