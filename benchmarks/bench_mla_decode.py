@@ -167,11 +167,13 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # private arguments): "ungrouped" merges rows of many splits with the
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
 # "grouped" takes the grouped pass wherever a row has more than 8 splits,
-# "mdirect" stores the merge's bf16 output from registers, not by TMA.
+# "mdirect" stores the merge's bf16 output from registers, not by TMA,
+# "nopack" merges rows of 8-32 heads one row per CTA, not stacked.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
-                  "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True)}
+                  "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True),
+                  "nopack": dict(pack=False)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -268,12 +270,13 @@ def check_blocks_outside_the_cache(rng, cfg):
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
 SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False),
-               "padded": dict(pad_heads=True)}
+               "padded": dict(pad_heads=True), "nopack": dict(pack=False)}
 
 
 def check_same_result(rng, names):
   """The `SAME_RESULT` variants in `names` (P fenced on every hand-off, the
-  merge's output from registers, the query padded in XLA): bit-identical to the default on parts of several segments, clean and with NaN tails and
+  merge's output from registers, the query padded in XLA, rows of few heads
+  merged one per CTA): bit-identical to the default on parts of several segments, clean and with NaN tails and
   null block in both modes, under both ring layouts; the default against the
   reference."""
   ok = True

@@ -989,6 +989,69 @@ def test_merge_output_staged_in_smem_matches_direct_stores(splits, grouped, sms,
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize(
+    "heads,seq_lens,sms",
+    [
+        # 8 heads: eight rows a CTA, the batch not a multiple of it (the last
+        # CTA's other stacked rows past the batch), an empty row.
+        (8, [4 * BS + 9, 0, 2 * BS - 3, 3 * BS, BS + 1, 5 * BS, 7, 2 * BS, 3 * BS + 1, 6 * BS, BS], 12),
+        # 24 heads: two rows a CTA in the tile's first 48 rows; more rows than
+        # parts, so the kernel finishes rows itself and the merge skips them.
+        (24, [BS + 1, 3 * BS, 0, 2 * BS - 3, 5, 4 * BS + 9, 2 * BS + 2], 4),
+    ],
+)
+def test_packed_merge_matches_one_row_per_cta(heads, seq_lens, sms):
+  """`merge.build_packed_merge` (rows of 8-32 heads stacked in one CTA's
+  tile): the per-row ring's result, clean in "select" (and right) and
+  poisoned in "multiply" (the same NaN rows), with empty rows, rows the
+  kernel finished, and stacked rows past the batch. The same arithmetic,
+  but not bit for bit here: the interpreter's XLA fuses the packed step's
+  multiply-adds differently (an f32 rounding, up to one bf16 ulp of out)."""
+  from jaxkv.kernels.mla_decode.merge import pack_rows
+  from jaxkv.kernels.mla_decode.wrapper import _mla_decode
+
+  q, cache, table, lens = _problem(41, seq_lens, heads)
+  config = MLADecodeConfig(num_splits=3, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, config=config, num_sms=sms)
+  assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2  # a row is cut
+  assert pack_rows(heads=heads, head_groups=1, num_splits=plan.num_splits) == 64 // heads
+  poisoned, _ = _poison(cache, table, lens)
+
+  def run(c, select, pack):
+    return _mla_decode(
+        q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens), plan,
+        sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64, q_regs=0, pack=pack)
+
+  for c, select in ((cache, True), (poisoned, False)):
+    (out, lse), (want, want_lse) = run(c, select, True), run(c, select, False)
+    assert out.shape == (len(seq_lens), heads, 512)
+    out32, want32 = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(np.isnan(out32), np.isnan(want32))
+    np.testing.assert_allclose(out32, want32, rtol=2**-7, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+    if select:
+      _assert_close((out, lse), _ref(q, cache, table, lens))
+    else:
+      assert np.isnan(np.asarray(out, np.float32)).any()
+
+
+@pytest.mark.parametrize("heads,finish_rows", [(16, False), (8, True)])
+def test_packed_merge_lowers_for_hopper(heads, finish_rows):
+  from jaxkv.kernels.mla_decode import merge
+
+  batch, splits = 5, 3
+  call = merge.build_packed_merge(
+      batch=batch, num_splits=splits, heads=heads, dv=512, max_tokens=512,
+      out_dtype=jnp.bfloat16, interpret=None, finish_rows=finish_rows)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  args = [i32(batch), i32(batch, splits + 1), f32(batch, splits, 64, 512), f32(batch, splits, 64)]
+  if finish_rows:
+    args += [jax.ShapeDtypeStruct((batch, 64, 512), jnp.bfloat16), f32(batch, 64)]
+  text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 def _call_ops(heads, seq_lens, config, num_sms=132):
   """The primitives of one `mla_decode` call's jitted body (one level in: the
   kernels are one op each; what else runs is XLA ops of its own)."""

@@ -142,10 +142,11 @@ def mla_decode(
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
-                              "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads"))
+                              "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
+                              "pack"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                stage_merge_out=True, pad_heads=False):
+                stage_merge_out=True, pad_heads=False, pack=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -213,6 +214,19 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
         edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, **merge_args
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
+    return _layout.real_heads(out, lse_out, heads)
+  # Rows of few heads (8-32, one head group): several rows' heads stacked in
+  # one CTA's tile (`merge.build_packed_merge`; `pack=False` keeps a CTA per
+  # row, the benchmark's A/B).
+  rows_per_cta = _merge.pack_rows(heads=q_rows, head_groups=head_groups,
+                                  num_splits=plan.num_splits)
+  if pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2:
+    merge = _merge.build_packed_merge(
+        batch=batch, num_splits=plan.num_splits, heads=q_rows, dv=_layout.LATENT,
+        max_tokens=max_blocks * block_size, out_dtype=q.dtype, interpret=interpret,
+        finish_rows=finish_rows,
+    )
+    out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
     return _layout.real_heads(out, lse_out, heads)
   # A row's live splits are its first ones; the merge reads those alone (of
   # the last head group's partials, the `q_rows` real rows the kernel wrote
