@@ -271,12 +271,28 @@ def check_blocks_outside_the_cache(rng, cfg):
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
 SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False),
                "padded": dict(pad_heads=True), "nopack": dict(pack=False)}
+# Of those, the ones whose arithmetic is the default's but not its rounding:
+# the stacked merge's masked steps compile to other fused multiply-adds than
+# the per-row ring's (not bit-identical on the H200 at 16 heads, 2026-12-03),
+# so "nopack" is compared within one bf16 ulp, with the same NaNs, and
+# "padded" (which never stacks) bit for bit against "nopack".
+ROUNDING_ONLY = {"nopack"}
+
+
+def _close(got, want):
+  """The same NaNs, out within one bf16 ulp, LSE within 1e-5."""
+  (o, l), (wo, wl) = [[np.asarray(x, np.float32) for x in r] for r in (got, want)]
+  if not (np.array_equal(np.isnan(o), np.isnan(wo)) and np.array_equal(np.isnan(l), np.isnan(wl))):
+    return False
+  fin = ~np.isnan(wo)
+  return bool(np.all(np.abs(o[fin] - wo[fin]) <= 2**-7 * np.abs(wo[fin]) + 1e-6)
+              and np.allclose(l, wl, rtol=0, atol=1e-5, equal_nan=True))
 
 
 def check_same_result(rng, names):
   """The `SAME_RESULT` variants in `names` (P fenced on every hand-off, the
   merge's output from registers, the query padded in XLA, rows of few heads
-  merged one per CTA): bit-identical to the default on parts of several segments, clean and with NaN tails and
+  merged one per CTA; see `ROUNDING_ONLY` for the last two): bit-identical to the default on parts of several segments, clean and with NaN tails and
   null block in both modes, under both ring layouts; the default against the
   reference."""
   ok = True
@@ -296,11 +312,17 @@ def check_same_result(rng, names):
                                               interpret=None, kv_swizzle=sw, q_regs=qr, **kw)
     for c, name in ((cache, "clean"), (poisoned, "poisoned")):
       for select in (True, False):
-        want = [np.asarray(x) for x in run(c, select)]
+        default = [np.asarray(x) for x in run(c, select)]
+        unpacked = [np.asarray(x) for x in run(c, select, pack=False)]
         for v in names:
           got = [np.asarray(x) for x in run(c, select, **SAME_RESULT[v])]
-          same = all(np.array_equal(g, w, equal_nan=True) for g, w in zip(got, want))
-          print(f"{v}: {heads} heads sw{sw} {name} {'select' if select else 'multiply'}: identical {same}")
+          if v in ROUNDING_ONLY:
+            same, how = _close(got, default), "within rounding"
+          else:
+            want = unpacked if v == "padded" else default
+            same = all(np.array_equal(g, w, equal_nan=True) for g, w in zip(got, want))
+            how = "identical"
+          print(f"{v}: {heads} heads sw{sw} {name} {'select' if select else 'multiply'}: {how} {same}")
           ok = ok and same
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
     err, _, _ = errors(*run(poisoned, True), ro, rl)

@@ -279,7 +279,11 @@ def build_packed_merge(
       for k, (b, _, _) in enumerate(rows):
         at = pl.ds(k * heads, heads)
         plgpu.copy_gmem_to_smem(o_ref.at[b, j, real, chans], o_buf.at[slot, at], bar.at[slot])
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, j, real], lse_buf.at[slot, at], bar.at[slot])
+        # A plain bulk copy (contiguous, in bounds): a TMA box needs its SMEM
+        # end 128-byte aligned, and row k's LSE starts at 4 * heads * k bytes
+        # (a misaligned-address fault on the H200 otherwise).
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, j, real], lse_buf.at[slot, at], bar.at[slot],
+                                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
     for j in range(stages):
       pl.when(j < n)(lambda j=j: fetch(j))
@@ -312,6 +316,8 @@ def build_packed_merge(
     lse_stage[...] = lse
     plgpu.commit_smem()  # the copies (async proxy) read what the stores wrote
     for k, (b, _, mine) in enumerate(rows):
+      # (The out box starts at 128 * heads * k bytes of SMEM, 128-aligned;
+      # the LSE, contiguous, goes by a plain bulk copy, 16-aligned.)
       at = pl.ds(k * heads, heads)
       pl.when(mine)(lambda b=b, at=at: plgpu.copy_smem_to_gmem(
           out_buf.at[at], out_ref.at[b, real, chans]))
