@@ -755,6 +755,31 @@ def test_kernel_finishes_whole_rows_and_leaves_cut_rows_to_the_merge():
         assert np.isfinite(o[row, sp]).all() == (sp in live)
 
 
+def test_partials_of_a_short_head_group_hold_its_real_rows_alone():
+  """At 16 heads the kernel writes each live split's partial O for the 16 real
+  rows alone (`layout.store_head_rows`): the other 48 rows of the head group
+  keep the interpreter's NaN fill, the bytes no one writes or reads."""
+  from jaxkv.kernels.mla_decode import kernel
+
+  seq_lens = [3 * BS + 5, 0, 2 * BS, 5 * BS - 1]
+  q, cache, table, lens = _problem(13, seq_lens, 16)
+  config = MLADecodeConfig(num_splits=3, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=16, config=config, num_sms=6)
+  call = kernel.build_kernel(
+      batch=len(seq_lens), heads_padded=64, num_parts=plan.num_parts,
+      num_splits=plan.num_splits, block_size=BS, sm_scale=SCALE, select=True,
+      interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan"), q_heads=16,
+  )
+  o, lse = call(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+                plan.row_start, plan.part_rows, plan.part_start, plan.row_part)
+  o = np.asarray(o)
+  live = [(r, sp) for part in _segments(plan, seq_lens) for r, _, _, sp in part]
+  assert len(live) > len(seq_lens)  # some row is cut
+  for r, sp in live:
+    assert np.isfinite(o[r, sp, :16]).all()
+    assert np.isnan(o[r, sp, 16:]).all()
+
+
 def test_a_stale_plan_reads_nothing_outside_the_rows():
   """A plan computed for other lengths (rows it thinks longer, shorter, empty, or
   longer than the table holds) gives wrong splits but never reads a slot outside
