@@ -342,8 +342,10 @@ def build_packed_merge(
     lse_stage[...] = lse
     plgpu.commit_smem()  # the copies (async proxy) read what the stores wrote
     for k, (b, _, mine) in enumerate(rows):
-      # (The out box starts at 128 * heads * k bytes of SMEM, 128-aligned;
-      # the LSE, contiguous, goes by a plain bulk copy, 16-aligned.)
+      # (The out box starts `heads * k` rows of `2 * cols` bytes in, a
+      # multiple of 512 bytes for every head count and tiling that stacks, as
+      # the value boxes above are; the LSE, contiguous, goes by a plain bulk
+      # copy, 16-aligned.)
       at = pl.ds(k * heads, heads)
       pl.when(mine)(lambda b=b, at=at: plgpu.copy_smem_to_gmem(
           out_buf.at[at], out_ref.at[b, real, chans]))
