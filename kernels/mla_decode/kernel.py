@@ -69,7 +69,6 @@ from .layout import (
     SLOT_HALF,
     TILE,
     bf16_tile,
-    by_head_group,
     last_group_rows,
     launch,
     load_query,
@@ -479,11 +478,8 @@ def build_kernel(
           def store(dst, value):
             # A last head group of fewer real heads stores their rows alone
             # (the merge reads no others).
-            by_head_group(
-                g, head_groups=head_groups, tail_heads=tail_heads,
-                whole=lambda: store_head_rows(dst, value, HEAD_TILE, compiled=compiled),
-                tail=lambda: store_head_rows(dst, value, tail_heads, compiled=compiled),
-            )
+            store_head_rows(dst, value, g, head_groups=head_groups, tail_heads=tail_heads,
+                            compiled=compiled)
 
           @jax.named_scope("store")
           def partial():

@@ -138,21 +138,29 @@ def stage_store(buf, value, dst, *, src=None):
 WARP_ROWS = 16
 
 
-def store_head_rows(dst, value, rows: int, *, compiled: bool) -> None:
-  """Stores the first `rows` of the 64 rows of `value` (a `[64, n]`
-  WGMMA-layout array, one per warpgroup) to the GMEM ref `dst` (`[64, n]`):
-  a head group's real heads, without the bytes of its padded rows.
+def store_head_rows(dst, value, g, *, head_groups: int, tail_heads: int, compiled: bool) -> None:
+  """Stores head group `g`'s `value` (a `[64, n]` WGMMA-layout array, one per
+  warpgroup) to the GMEM ref `dst` (`[64, n]`): all 64 rows, or in a last
+  group of `tail_heads` < 64 real heads (`by_head_group`) those alone,
+  without the bytes of its padded rows.
 
   A WGMMA-layout array cannot be sliced by rows (its tile is 64 rows), but
   warp w of the warpgroup holds rows `[16w, 16w + 16)` of it: compiled, the
-  warps that hold any of the first `rows` store theirs (so up to 15 rows
-  past `rows` are written too) and the others store nothing; interpreted,
-  the slice `value[:rows]` is stored. Either way rows from `rows` on keep
+  warps that hold any of the real rows store theirs (so up to 15 rows past
+  them are written too) and the others store nothing; interpreted, the
+  slice of the real rows is stored. Either way the rows past them keep
   nothing a reader may use.
   """
-  if rows == HEAD_TILE:
+
+  def whole():
     dst[...] = value
-    return
+
+  by_head_group(g, head_groups=head_groups, tail_heads=tail_heads, whole=whole,
+                tail=lambda: _store_first_rows(dst, value, tail_heads, compiled=compiled))
+
+
+def _store_first_rows(dst, value, rows: int, *, compiled: bool) -> None:
+  """`store_head_rows` of a last head group of `rows` < 64 real heads."""
   if not compiled:
     dst.at[pl.ds(0, rows)][...] = value[:rows]
     return

@@ -373,17 +373,7 @@ def build_packed_merge(
       kernel_name="jaxkv_mla_decode_merge",
       interpret=interpret,
   )
-  if not finish_rows:
-    return call
-
-  def merge(seq_lens, bounds, o, lse, out, lse_out):
-
-    def in_place(refs):
-      call(seq_lens, bounds, o, lse, *refs)
-
-    return pl.run_state(in_place)((out, lse_out))
-
-  return merge
+  return _merge_call(call, finish_rows=finish_rows)
 
 
 def build_merge(
@@ -665,6 +655,14 @@ def build_merge(
   else:
     flat = lambda o: o
 
+  return _merge_call(call, finish_rows=finish_rows, flat=flat)
+
+
+def _merge_call(call, *, finish_rows: bool, flat=lambda o: o):
+  """A merge kernel's call as `build_merge` returns it: `(seq_lens, bounds,
+  o, lse) -> (out, lse_out)`, o passed through `flat`; with `finish_rows`
+  `(..., out, lse_out) -> (out, lse_out)`, the decode kernel's outputs
+  updated in place (a Pallas state discharge aliases them)."""
   if not finish_rows:
     return lambda seq_lens, bounds, o, lse: call(seq_lens, bounds, flat(o), lse)
 

@@ -29,10 +29,11 @@ one differs: "select" copies nothing (the stage was zeroed at the start, so
 the row holds finite bytes: zeros or an earlier row of this CTA's own
 selection, weighted exactly 0), so no slot outside the row's selection is
 ever read; "multiply" reads slot 0 (the null block) for the first invalid
-id of each tile and nothing for the others, so a non-finite null block meets p = 0 in the
-accumulator (0 * NaN = NaN) and poisons the row exactly as in production
-kernels, which read it for every -1 (once or many times, 0 * NaN is NaN and
-0 * finite adds +0), without every CTA of the step reading one hot row.
+id of each tile and nothing for the others, so a non-finite null block meets
+p = 0 in the accumulator (0 * NaN = NaN) and poisons the row exactly as in
+production kernels, which read it for every -1 (once or many times, 0 * NaN
+is NaN and 0 * finite adds +0), without every CTA of the step reading one
+hot row.
 
 The result (one split) or each split's partial result is stored to GMEM,
 normalised, with its natural-log LSE; a split without a valid index writes
@@ -47,7 +48,6 @@ row: whole sectors) are stored from registers.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,7 @@ from jaxkv.kernels.mla_decode.layout import (
     HALF,
     HEAD_TILE,
     LATENT,
+    LOG2E,
     NUM_STAGES,
     NUM_THREADS,
     ROPE,
@@ -109,7 +110,6 @@ IDX_STAGES = 4  # tiles of slot ids in flight ahead of their gathers
 # the consumers' increase waits forever.
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-LOG2E = math.log2(math.e)
 # The running maximum's start: finite and below any score (|q.k| * scale is
 # far smaller), so that masked scores (-inf) give exp2(-inf - M_FLOOR) = 0.
 M_FLOOR = -1e30
@@ -412,12 +412,8 @@ def build_kernel(
         else:
           # A last head group of fewer real heads stores their rows alone:
           # the combine reads no others.
-          dst = o_ref.at[b, split, heads, cols]
-          by_head_group(
-              g, head_groups=head_groups, tail_heads=tail_heads,
-              whole=lambda: store_head_rows(dst, o, HEAD_TILE, compiled=compiled),
-              tail=lambda: store_head_rows(dst, o, tail_heads, compiled=compiled),
-          )
+          store_head_rows(o_ref.at[b, split, heads, cols], o, g, head_groups=head_groups,
+                          tail_heads=tail_heads, compiled=compiled)
           if wg == 0:
             lse_ref[b, split, heads] = lse
 
