@@ -1,5 +1,8 @@
 """sparse_mla_decode against its jnp reference, in the Mosaic GPU interpreter."""
 
+import json
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +14,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
+from jaxkv.kernels.sparse_mla_decode.config import config_from_entries, heuristic_config
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 # Without the race detector (~40% faster): for tests whose subject is the values,
@@ -18,6 +22,7 @@ INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 FAST = plgpu.InterpretGPUParams()
 NUM_BLOCKS, BLOCK_SIZE = 4, 16
 SCALE = 576**-0.5
+TUNING = pathlib.Path(__file__).parents[1] / "configs/tuning/sparse_mla_decode/nvidia_h200.json"
 
 
 def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
@@ -219,6 +224,24 @@ def test_config_validation():
   # (The suite's runtime type checks answer first, with a TypeError.)
   with pytest.raises((TypeError, ValueError), match="stage_out"):
     SparseMLADecodeConfig(stage_out=1)
+
+
+def test_tuned_entries_match_their_batches_alone():
+  """Each H200 entry holds at the batches it names, and no other batch takes it."""
+  entries = json.loads(TUNING.read_text())["entries"]
+  for entry in entries:
+    for heads in entry["heads"]:
+      for batch in (entry["min_batch"], entry["max_batch"]):
+        config = config_from_entries(entries, batch=batch, num_heads=heads, topk=2048)
+        assert config == SparseMLADecodeConfig(**entry["config"]), (entry, batch)
+  # Between the measured batches the heuristic answers, which covers the SMs once.
+  assert config_from_entries(entries, batch=3, num_heads=64, topk=2048) is None
+  assert config_from_entries(entries, batch=8, num_heads=32, topk=2048) is None
+  assert heuristic_config(batch=3, num_heads=64, topk=2048).num_splits == 32
+  assert heuristic_config(batch=8, num_heads=128, topk=2048).num_splits == 8
+  # A tuned split count that does not divide topk's tiles falls back as well.
+  assert config_from_entries(entries, batch=1, num_heads=16, topk=1024) is None
+  assert heuristic_config(batch=1, num_heads=16, topk=1024).num_splits == 16
 
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])

@@ -70,9 +70,13 @@ def heuristic_config(
 def config_from_entries(
     entries: list[dict[str, Any]], *, batch: int, num_heads: int, topk: int
 ) -> SparseMLADecodeConfig | None:
-  """The first tuned entry whose `max_batch` / `heads` match and divides topk."""
+  """The first tuned entry whose batch range and `heads` match and whose splits divide topk.
+
+  An entry matches `min_batch <= batch <= max_batch` (`min_batch` defaults to
+  1, as in dense decode's entries) and `num_heads in heads`.
+  """
   for entry in entries:
-    if batch <= entry["max_batch"] and num_heads in entry["heads"]:
+    if entry.get("min_batch", 1) <= batch <= entry["max_batch"] and num_heads in entry["heads"]:
       config = SparseMLADecodeConfig(**entry["config"])
       if topk % (TILE * config.num_splits) == 0:
         return config
