@@ -168,13 +168,12 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
 # "grouped" takes the grouped pass wherever a row has more than 8 splits,
 # "mdirect" stores the merge's bf16 output from registers, not by TMA,
-# "nopack" merges rows of 8-32 heads one row per CTA, not stacked,
-# "xmerge" merges every row's splits in XLA (`combine_splits`), no merge kernel.
+# "nopack" merges rows of 8-32 heads one row per CTA, not stacked.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
                   "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True),
-                  "nopack": dict(pack=False), "xmerge": dict(xla_merge=True)}
+                  "nopack": dict(pack=False)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -271,14 +270,13 @@ def check_blocks_outside_the_cache(rng, cfg):
 
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
 SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False),
-               "padded": dict(pad_heads=True), "nopack": dict(pack=False),
-               "xmerge": dict(xla_merge=True)}
+               "padded": dict(pad_heads=True), "nopack": dict(pack=False)}
 # Of those, the ones whose arithmetic is the default's but not its rounding:
 # the stacked merge's masked steps compile to other fused multiply-adds than
 # the per-row ring's (not bit-identical on the H200 at 16 heads, 2026-12-03),
 # so "nopack" is compared within one bf16 ulp, with the same NaNs, and
 # "padded" (which never stacks) bit for bit against "nopack".
-ROUNDING_ONLY = {"nopack", "xmerge"}  # "xmerge": XLA's order of the f32 sums
+ROUNDING_ONLY = {"nopack"}
 
 
 def _close(got, want):

@@ -22,7 +22,6 @@ from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from . import kernel as _kernel
 from . import layout as _layout
 from . import merge as _merge
-from .combine import combine_splits
 from .config import MLADecodeConfig, default_config
 from .plan import MLADecodePlan, mla_decode_plan
 from .reference import MASK_MODES
@@ -144,10 +143,10 @@ def mla_decode(
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "pack", "xla_merge"))
+                              "pack"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                stage_merge_out=True, pad_heads=False, pack=True, xla_merge=False):
+                stage_merge_out=True, pad_heads=False, pack=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -168,8 +167,6 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # the merge saves the epilogue's branch costs (128 x 64 x 4K-8K on the H200:
   # even). `finish` forces it on or off (the benchmark's A/B).
   finish_rows = batch > plan.num_parts if finish is None else finish
-  if xla_merge:  # every row's splits come back as partials, merged by XLA
-    finish_rows = grouped = False
   # Rows of the result: the merge's staged stores write the real heads alone
   # where it writes every row (the kernel's finished rows go out from
   # registers in whole head groups); otherwise the padded result is cut here.
@@ -198,14 +195,6 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
-  if xla_merge:
-    # A row's splits past its clipped bounds were not written: their LSE is
-    # -inf here, so `combine_splits` never reads their o.
-    ntiles = (jnp.clip(seq_lens, 0, max_blocks * block_size) + _layout.TILE - 1) // _layout.TILE
-    bounds = jnp.clip(plan.bounds, 0, ntiles[:, None])
-    live = (bounds[:, 1:] > bounds[:, :-1])[..., None]
-    out, lse_out = combine_splits(o[:, :, :heads], jnp.where(live, lse[:, :, :heads], -jnp.inf))
-    return out.astype(q.dtype), lse_out
   merge_args = dict(
       batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
