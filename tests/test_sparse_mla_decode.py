@@ -234,7 +234,7 @@ def test_tuned_entries_match_their_batches_alone():
       for batch in (entry["min_batch"], entry["max_batch"]):
         config = config_from_entries(entries, batch=batch, num_heads=heads, topk=2048)
         assert config == SparseMLADecodeConfig(**entry["config"]), (entry, batch)
-  # Between the measured batches the heuristic answers, which covers the SMs once.
+  # At batches and head counts not measured the heuristic answers: it covers the SMs once.
   assert config_from_entries(entries, batch=3, num_heads=64, topk=2048) is None
   assert config_from_entries(entries, batch=8, num_heads=32, topk=2048) is None
   assert heuristic_config(batch=3, num_heads=64, topk=2048).num_splits == 32
