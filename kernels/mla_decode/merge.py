@@ -648,14 +648,11 @@ def build_merge(
       interpret=interpret,
   )
 
-  if group:
-    # `wide_partials`' layout with every dimension but a split's tile as one
-    # (a free reshape): a group's copy is then a contiguous slice.
-    flat = lambda o: o.reshape(-1, HEAD_TILE, cols)
-  else:
-    flat = lambda o: o
-
-  return _merge_call(call, finish_rows=finish_rows, flat=flat)
+  if not group:
+    return _merge_call(call, finish_rows=finish_rows)
+  # `wide_partials`' layout with every dimension but a split's tile as one
+  # (a free reshape): a group's copy is then a contiguous slice.
+  return _merge_call(call, finish_rows=finish_rows, flat=lambda o: o.reshape(-1, HEAD_TILE, cols))
 
 
 def _merge_call(call, *, finish_rows: bool, flat=lambda o: o):
