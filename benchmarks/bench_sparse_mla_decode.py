@@ -8,7 +8,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
-      [--pad-heads 0 1]
+      [--pad-heads 0 1] [--half-rows auto|off|N]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -16,6 +16,10 @@ query's latent channels the consumers hold in registers,
 also times each variant with the query padded to 64 heads per group in XLA and
 the result sliced (the build before the unpadded query, for fewer heads than a
 head group), and compares its result bitwise with the unpadded one's.
+`--half-rows` sets `SparseMLADecodeConfig.half_rows` on every one-split
+config, the NaN checks' included: "auto" (the default config's: cut rows
+where one CTA per row overruns a wave by at most half of one), "off" (0),
+or N rows (at most the batch).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
-from jaxkv.kernels.sparse_mla_decode.config import default_config
+from jaxkv.kernels.sparse_mla_decode.config import default_config, wave_fill_rows
 from jaxkv.kernels.sparse_mla_decode.wrapper import _sparse_mla_decode
 
 NUM_BLOCKS, BLOCK_SIZE, TOPK = 8192, 64, 2048  # a 604 MB cache, far past L2
@@ -75,12 +79,17 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _pallas_config(splits, batch, heads, topk=TOPK):
-  """The kernel (not the XLA path) with `splits`, or the default split count if 0."""
+def _pallas_config(splits, batch, heads, topk=TOPK, half_rows=None):
+  """The kernel (not the XLA path) with `splits`, or the default split count if
+  0, and with one split `half_rows` (None: the config's; else at most the batch)."""
   if splits:
-    return SparseMLADecodeConfig(num_splits=splits, implementation="pallas")
-  config = default_config(batch=batch, num_heads=heads, topk=topk)
-  return dataclasses.replace(config, implementation="pallas")
+    config = SparseMLADecodeConfig(num_splits=splits, implementation="pallas")
+  else:
+    config = dataclasses.replace(default_config(batch=batch, num_heads=heads, topk=topk),
+                                 implementation="pallas")
+  if half_rows is not None and config.num_splits == 1:
+    config = dataclasses.replace(config, half_rows=min(half_rows, batch))
+  return config
 
 
 def main(argv=None) -> int:
@@ -100,7 +109,12 @@ def main(argv=None) -> int:
                       "stores' of the same run")
   parser.add_argument("--pad-heads", type=int, nargs="+", default=[0], choices=[0, 1],
                       help="time each variant with the query padded in XLA (1) and unpadded (0)")
+  parser.add_argument("--half-rows", default="auto",
+                      help="auto (the config's), off, or N rows cut in halves (one split)")
   args = parser.parse_args(argv)
+  half_rows = {"auto": None, "off": 0}.get(args.half_rows)
+  if half_rows is None and args.half_rows != "auto":
+    half_rows = int(args.half_rows)
   shapes = [(128, 64, TOPK, 0.0), (128, 128, TOPK, 0.0), (64, 64, TOPK, 0.0),
             (128, 64, TOPK, 0.25)]
   if args.shapes:
@@ -118,7 +132,7 @@ def main(argv=None) -> int:
   ok = True
   for batch, heads, topk, invalid in shapes:
     q, cache, idx = _inputs(batch, heads, invalid, topk=topk)
-    cfg = _pallas_config(args.splits, batch, heads, topk)
+    cfg = _pallas_config(args.splits, batch, heads, topk, half_rows)
     n_valid = int((idx >= 0).sum())
     kv_bytes = n_valid * 576 * 2
     io_bytes = q.size * 2 + batch * heads * 512 * 2
@@ -166,7 +180,12 @@ def main(argv=None) -> int:
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
-    print(f"b{batch} h{heads} topk{topk} inv{invalid}: {cfg.num_splits} splits, ceiling"
+    rows_cut = cfg.half_rows
+    if rows_cut is None:
+      rows_cut = wave_fill_rows(batch=batch, num_heads=heads, topk=topk,
+                                num_splits=cfg.num_splits)
+    print(f"b{batch} h{heads} topk{topk} inv{invalid}: {cfg.num_splits} splits,"
+          f" {rows_cut} rows cut in halves, ceiling"
           f" {kv_bytes / t_ceil / 1e12:.2f} TB/s, XLA reference {t_ref * 1e6:.0f} us", flush=True)
 
   # NaN in slot 0 and in rows no index selects: "select" stays clean,
@@ -176,12 +195,14 @@ def main(argv=None) -> int:
   used = jnp.zeros(NUM_BLOCKS * BLOCK_SIZE, bool).at[jnp.maximum(idx, 0)].set(True)
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
-  base = _pallas_config(args.splits, 16, 64)
+  base = _pallas_config(args.splits, 16, 64, half_rows=half_rows)
   for qr, so in [(qr, bool(so)) for qr in args.q_regs or [base.q_regs]
                  for so in args.stage_out or [base.stage_out]]:
     # (A staged result needs one split: the check then runs with one.)
     cfg = dataclasses.replace(base, q_regs=qr, stage_out=so,
                               num_splits=1 if so else base.num_splits)
+    if half_rows and cfg.num_splits == 1:  # rows 6-7 (with -1s) among those cut at 10
+      cfg = dataclasses.replace(cfg, half_rows=min(half_rows, 16))
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
     clean, _ = f(cache, "select")
     sel, _ = f(poisoned, "select")
@@ -190,7 +211,8 @@ def main(argv=None) -> int:
     nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
         False] + [True] * 7 + [False] * 8
     ok &= nan_ok
-    print(f"NaN poisoning (q_regs {qr}, stage_out {so}): select bit-equal to clean and"
+    print(f"NaN poisoning (q_regs {qr}, stage_out {so}, half_rows {cfg.half_rows}): select"
+          f" bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")
 
   # Ids outside the cache are invalid exactly as -1 is: bit-equal results in
@@ -201,7 +223,7 @@ def main(argv=None) -> int:
   far = jnp.where(jnp.arange(TOPK) % 3 == 0, n, jnp.where(jnp.arange(TOPK) % 3 == 1, -7, 2**31 - 1))
   odd = jnp.where(idx < 0, far[None, :].astype(jnp.int32), idx)
   poisoned = cache.reshape(-1, 576).at[n - 1].set(jnp.nan).reshape(cache.shape)
-  cfg = _pallas_config(args.splits, 16, 64)
+  cfg = _pallas_config(args.splits, 16, 64, half_rows=half_rows)
   for mode in args.modes:
     f = lambda i, mode=mode: sparse_mla_decode(q, poisoned, i, sm_scale=SCALE, mask_mode=mode,
                                                config=cfg)

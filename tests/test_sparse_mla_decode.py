@@ -14,7 +14,11 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
-from jaxkv.kernels.sparse_mla_decode.config import config_from_entries, heuristic_config
+from jaxkv.kernels.sparse_mla_decode.config import (
+    config_from_entries,
+    heuristic_config,
+    wave_fill_rows,
+)
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 # Without the race detector (~40% faster): for tests whose subject is the values,
@@ -149,6 +153,75 @@ def test_nan_poisoning():
   out, lse = _run(q, zeroed, idx, "multiply", interpret=FAST)
   ref_out, ref_lse = sparse_mla_decode_reference(q, zeroed, idx, sm_scale=SCALE, mask_mode="multiply")
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_rows_cut_in_halves(heads):
+  """`half_rows`: the last rows' top-k lists in two halves, a CTA each (three
+  tiles: halves of two and one), merged after the kernel, beside a whole
+  row. Row 1's first half holds no valid index, row 2 none at all. At 16
+  heads (race detector on for the clean call) also: the whole row is bit
+  for bit what `half_rows=0` gives; NaN in slot 0 and in every slot no row
+  indexes leaves "select" bit-equal to clean memory, and "multiply" gives
+  NaN exactly where the reference does."""
+  q, cache, idx = _inputs(53, 3, heads, 192, invalid=0.2, dead_rows=(2,))
+  idx = idx.at[1, :128].set(-1)
+  config = SparseMLADecodeConfig(half_rows=2)
+
+  def run(c, mode, config=config, interpret=FAST):
+    return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
+                             config=config)
+
+  out, lse = run(cache, "select", interpret=INTERPRET if heads == 16 else FAST)
+  assert out.shape == (3, heads, 512) and out.dtype == q.dtype and lse.shape == (3, heads)
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
+  _check(out[:2], lse[:2], ref_out[:2], ref_lse[:2])
+  assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
+  if heads != 16:
+    return
+  whole_out, whole_lse = run(cache, "select", config=SparseMLADecodeConfig(half_rows=0))
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(whole_out[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(lse[0]), np.asarray(whole_lse[0]))
+
+  used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
+  used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
+  used[0] = False
+  rows = cache.reshape(-1, 576)
+  poisoned = jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
+  sel_out, sel_lse = run(poisoned, "select")
+  np.testing.assert_array_equal(np.asarray(sel_out, np.float32), np.asarray(out, np.float32))
+  np.testing.assert_array_equal(np.asarray(sel_lse), np.asarray(lse))
+  ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
+  want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
+  np.testing.assert_array_equal(want, [True, True, False])
+  mul_out, _ = run(poisoned, "multiply")
+  np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
+  assert (np.asarray(mul_out[2], np.float32) == 0).all()
+
+
+def test_wave_fill_rows():
+  """Rows are cut only where one CTA per row and head group overruns one wave
+  by at most half of one, and then so that the CTAs make two whole waves."""
+  def rows(batch, heads, topk=2048, splits=1):
+    return wave_fill_rows(batch=batch, num_heads=heads, topk=topk, num_splits=splits)
+
+  assert rows(96, 128) == 36 and 2 * (96 + 36) == 264
+  assert rows(150, 64) == 114 and rows(198, 64) == 66 and rows(99, 128) == 33
+  assert rows(66, 128) == 0 and rows(132, 64) == 0  # one wave exactly
+  assert rows(100, 128) == 0 and rows(199, 64) == 0 and rows(128, 128) == 0  # past half
+  assert rows(150, 64, splits=2) == 0 and rows(150, 64, topk=64) == 0
+  assert rows(70, 16) == 0 and rows(140, 16) == 124
+
+
+def test_half_rows_validation():
+  with pytest.raises(ValueError, match="half_rows"):
+    SparseMLADecodeConfig(half_rows=-1)
+  with pytest.raises(ValueError, match="half_rows"):
+    SparseMLADecodeConfig(num_splits=2, half_rows=1)
+  q, cache, idx = _inputs(0, 2, 16, 64)
+  for config in (SparseMLADecodeConfig(half_rows=3), SparseMLADecodeConfig(half_rows=1)):
+    with pytest.raises(ValueError, match="half_rows"):
+      sparse_mla_decode(q, cache, idx, sm_scale=SCALE, config=config)
 
 
 @pytest.mark.parametrize("mode, splits", [("select", 1), ("multiply", 2)])
@@ -298,6 +371,10 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_
       sm_scale=SCALE, select=select, interpret=None, q_regs=q_regs, stage_out=stage_out,
       out_dtype=jnp.bfloat16, q_heads=heads,
   )
+  _assert_lowers(call, batch, heads, topk, select)
+
+
+def _assert_lowers(call, batch, heads, topk, select):
   args = (
       jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),
       jax.ShapeDtypeStruct((NUM_BLOCKS * BLOCK_SIZE, 576), jnp.bfloat16),
@@ -310,6 +387,21 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_
     ops.append("nvvm.redux.sync")
   for op in ops:
     assert op in text, op
+
+
+@pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
+def test_compiled_kernel_with_rows_cut_in_halves_lowers_for_hopper(select, heads):
+  """`half_rows` on the compiled path: tile counts per CTA known only at run
+  time, and both the direct (staged) and the partial stores in one body."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 3, 192
+  call = K.build_kernel(
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, half_rows=2,
+  )
+  _assert_lowers(call, batch, heads, topk, select)
 
 
 @pytest.mark.parametrize(

@@ -36,12 +36,19 @@ class SparseMLADecodeConfig:
       SMEM by TMA (whole 64-byte rows) instead of from registers: 4-6% faster
       on the H200 at batch 128 (topk 2048, 2026-12-02: 128 heads 160.0 ->
       151.6 µs, 64 heads 91.9 -> 88.0; NOTES.md).
+    half_rows: with one split, how many of the batch's last rows are cut in
+      two halves of their top-k list, a CTA each, merged by log-sum-exp
+      afterwards, while the other rows keep one CTA per head group. None:
+      `wave_fill_rows` (enough that the CTAs make two whole waves where one
+      CTA per row and head group overruns one wave by at most half of one);
+      0: none.
   """
 
   num_splits: int = 1
   implementation: str = "pallas"
   q_regs: int = 128
   stage_out: bool = True
+  half_rows: int | None = None
 
   def __post_init__(self):
     value = self.num_splits
@@ -54,6 +61,32 @@ class SparseMLADecodeConfig:
     check_choice("q_regs", self.q_regs, Q_REGS)
     if not isinstance(self.stage_out, bool):
       raise ValueError(f"{self.stage_out=} must be a bool")
+    rows = self.half_rows
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
+      raise ValueError(f"half_rows={rows!r} must be None or an int >= 0")
+    if rows and self.num_splits != 1:
+      raise ValueError(f"{self.half_rows=} needs num_splits=1, got {self.num_splits=}")
+
+
+def wave_fill_rows(
+    *, batch: int, num_heads: int, topk: int, num_splits: int, num_sms: int = 132
+) -> int:
+  """Rows to cut in halves (`SparseMLADecodeConfig.half_rows=None`).
+
+  One split gives each row and head group one CTA of the whole top-k list.
+  Where those CTAs overrun one wave by at most half of one (a CTA per SM),
+  the second wave would be a few whole rows behind all the others: cutting
+  the last rows in halves until the CTAs make two waves puts short halves
+  there instead, behind whole rows (or, past half a wave, two whole rows
+  would share an SM anyway). 0 elsewhere, with several splits, and for a
+  one-tile top-k list.
+  """
+  if num_splits != 1 or topk // TILE < 2:
+    return 0
+  groups = -(-num_heads // 64)
+  if not num_sms < batch * groups <= 3 * num_sms // 2:
+    return 0
+  return min(batch, 2 * num_sms // groups - batch)
 
 
 def heuristic_config(

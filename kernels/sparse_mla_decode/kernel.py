@@ -1,5 +1,11 @@
 """Mosaic GPU body of sparse MLA decode: one CTA per (row, split, head group).
 
+(With one split and `half_rows`, the batch's last rows instead take two
+CTAs per head group, one per half of their top-k list, after the whole
+rows' CTAs: a batch whose CTAs overrun one wave then ends on halves. On the
+H200 at top-k 2048 that took 96 × 128 heads from 145.4 to 127.1 µs and 150
+× 64 from 153.9 to 140.8, merge included.)
+
 A row's keys are arbitrary cache slots. Warpgroup 2, the producer, gathers
 each 64-row tile of them straight into the swizzled wgmma operand tiles of a
 two-stage ring: compiled, each of its 128 threads copies its 16-byte pieces of
@@ -128,6 +134,7 @@ def build_kernel(
     q_regs: int = 0,
     stage_out: bool = False,
     q_heads: int | None = None,
+    half_rows: int = 0,
 ):
   """Builds the kernel call.
 
@@ -160,10 +167,23 @@ def build_kernel(
   TMA (its LSE staged likewise). With several splits the last head group's
   partials are written for its real rows alone (`layout.store_head_rows`),
   the rows the combine reads. None: q is padded already.
+
+  `half_rows` (with one split): the batch's last `half_rows` rows are cut
+  in two halves of their tiles (the first takes the odd tile), a CTA each,
+  after the whole rows' CTAs in the grid, and their halves' partial results
+  go to two more outputs, o `[half_rows, 2, heads_padded, 512]` and lse
+  `[half_rows, 2, heads_padded]` f32 (as several splits' are); the whole
+  rows' results are the first two outputs, as with one split, whose last
+  `half_rows` rows are left unwritten. Where a batch's CTAs overrun one wave
+  by up to half of one, the second wave is then short halves behind the
+  whole rows instead of whole rows (`config.wave_fill_rows`).
   """
   assert topk % (TILE * num_splits) == 0
+  assert half_rows == 0 or (num_splits == 1 and topk // TILE >= 2 and half_rows <= batch)
   check_choice("q_regs", q_regs, Q_REGS)
   num_tiles = topk // (TILE * num_splits)  # per split, static
+  whole_rows = batch - half_rows
+  first_half = -(-num_tiles // 2)  # tiles of a cut row's first half
   scale_log2 = float(sm_scale) * LOG2E
   dtype = jnp.bfloat16
   compiled = interpret is None
@@ -183,6 +203,7 @@ def build_kernel(
       idx_ref,  # [batch, topk] int32, GMEM
       o_ref,  # [batch, (num_splits,) out_heads, 512], GMEM
       lse_ref,  # [batch, (num_splits,) out_heads] f32, GMEM
+      *half_refs,  # with half_rows: [half_rows, 2, heads_padded, (512)] f32, GMEM
   ):
     g = lax.axis_index("g")
     split = lax.axis_index("s")
@@ -194,6 +215,18 @@ def build_kernel(
 
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     tok0 = split * (num_tiles * TILE)
+    n_tiles = num_tiles  # this CTA's tiles: static, except with half_rows
+    whole = True
+    if half_rows:
+      # CTA b < whole_rows: row b whole; then two CTAs per cut row, its halves.
+      cut = b - whole_rows
+      whole = cut < 0
+      half = lax.rem(jnp.maximum(cut, 0), 2)
+      part = jnp.maximum(cut, 0) // 2  # the cut row's index among the cut rows
+      b = jnp.where(whole, b, whole_rows + part)
+      tok0 = jnp.where(whole, 0, half * (first_half * TILE))
+      n_tiles = jnp.where(whole, num_tiles, jnp.where(half == 0, first_half,
+                                                      num_tiles - first_half))
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
                q_bar, idx_bar, free_bar, sync_bar,
@@ -245,7 +278,10 @@ def build_kernel(
           )
 
         for t in range(min(IDX_STAGES, num_tiles)):
-          fetch_ids(t)
+          if half_rows:
+            pl.when(t < n_tiles)(lambda t=t: fetch_ids(t))
+          else:
+            fetch_ids(t)
         # An invalid id copies nothing (but in "multiply" the first of a
         # tile), so its row keeps what the stage held: finite bytes (zeros, or
         # a row this CTA gathered before), weighted exactly 0.
@@ -305,7 +341,7 @@ def build_kernel(
         # thread's arrival on `landed` completes with them), so the producer
         # moves on as soon as the next stage is free and both stages can be
         # filling at once; interpreted, the copies arrive on `ready_bar`.
-        @pl.loop(0, num_tiles)
+        @pl.loop(0, n_tiles)
         def _(i):
           stage = lax.rem(i, NUM_STAGES)
           # Compiled, the producer loads the tile's ids into registers (and
@@ -325,12 +361,17 @@ def build_kernel(
           # Every thread's reads of the tile's ids before their refill (the
           # interpreter has no inline barrier: commit_smem is one too).
           (warpgroup_barrier if compiled else plgpu.commit_smem)()
-          pl.when(i + IDX_STAGES < num_tiles)(lambda: fetch_ids(i + IDX_STAGES))
+          pl.when(i + IDX_STAGES < n_tiles)(lambda: fetch_ids(i + IDX_STAGES))
 
         # Observe the releases of the last tiles too, so that every barrier
         # phase is consumed before the barriers go away.
-        for i in range(max(num_tiles - NUM_STAGES, 0), num_tiles):
-          plgpu.barrier_wait(free_bar.at[i % NUM_STAGES])
+        if half_rows:
+          for k in range(NUM_STAGES):
+            i = n_tiles - NUM_STAGES + k
+            pl.when(i >= 0)(lambda i=i: plgpu.barrier_wait(free_bar.at[lax.rem(i, NUM_STAGES)]))
+        else:
+          for i in range(max(num_tiles - NUM_STAGES, 0), num_tiles):
+            plgpu.barrier_wait(free_bar.at[i % NUM_STAGES])
 
       def consumer(wg: int):
         # `wg` is static: every SMEM slice below has a compile-time offset.
@@ -376,14 +417,16 @@ def build_kernel(
         acc, _, l_i = softmax_start(HALF)
         m_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_FLOOR, jnp.float32), row_layout)
         seesaw_begin(wg, bars)
-        acc, m_i, l_own = lax.fori_loop(0, num_tiles, step, (acc, m_i, l_i))
+        acc, m_i, l_own = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_i))
         seesaw_end(wg, bars)
         l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=False)
         o, lse = softmax_finish(acc, m_i, l_i)
         cols = pl.ds(wg * HALF, HALF)
-        if direct:
+
+        def store_result():
           # The row's result, as `combine_splits` of one split gives it: 0
           # where no index is valid (also where "multiply" met NaN there).
+          # (A whole row's last tile is in `last_stage`, with half_rows too.)
           has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
           res = jnp.where(has, o, 0.0).astype(out_dtype)
           if stage_out:
@@ -409,13 +452,23 @@ def build_kernel(
             o_ref[b, heads, cols] = res
             if wg == 0:
               lse_ref[b, heads] = lse
-        else:
+
+        def store_partial(o_dst, lse_dst):
           # A last head group of fewer real heads stores their rows alone:
           # the combine reads no others.
-          store_head_rows(o_ref.at[b, split, heads, cols], o, g, head_groups=head_groups,
+          store_head_rows(o_dst.at[heads, cols], o, g, head_groups=head_groups,
                           tail_heads=tail_heads, compiled=compiled)
           if wg == 0:
-            lse_ref[b, split, heads] = lse
+            lse_dst[heads] = lse
+
+        if half_rows:
+          half_o, half_lse = half_refs
+          pl.when(whole)(store_result)
+          pl.when(~whole)(lambda: store_partial(half_o.at[part, half], half_lse.at[part, half]))
+        elif direct:
+          store_result()
+        else:
+          store_partial(o_ref.at[b, split], lse_ref.at[b, split])
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -457,11 +510,12 @@ def build_kernel(
   # explicit commit_smem or an mbarrier.
   return launch(
       sparse_mla_decode_kernel,
-      grid=(batch, num_splits, heads_padded // HEAD_TILE),
+      grid=(batch + half_rows, num_splits, heads_padded // HEAD_TILE),
       grid_names=("b", "s", "g"),
       out_type=(
           (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
-           jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
+           jax.ShapeDtypeStruct((batch, out_heads), jnp.float32),
+           *(split_outputs(half_rows, 2, heads_padded) if half_rows else ()))
           if direct else split_outputs(batch, num_splits, heads_padded)
       ),
       kernel_name="jaxkv_sparse_mla_decode",

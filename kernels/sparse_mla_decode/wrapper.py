@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float, Shaped
 
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
@@ -14,7 +15,11 @@ from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
 from jaxkv.kernels.mla_decode.layout import query_rows, real_heads
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
-from jaxkv.kernels.sparse_mla_decode.config import SparseMLADecodeConfig, default_config
+from jaxkv.kernels.sparse_mla_decode.config import (
+    SparseMLADecodeConfig,
+    default_config,
+    wave_fill_rows,
+)
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
 
 TOPK_MULTIPLE = 64
@@ -78,6 +83,15 @@ def sparse_mla_decode(
           f"{config.num_splits=} must divide {topk=} into multiples of"
           f" {_kernel.TILE} indices"
       )
+    half_rows = config.half_rows
+    if half_rows is None:
+      half_rows = wave_fill_rows(batch=batch, num_heads=heads, topk=topk,
+                                 num_splits=config.num_splits)
+    elif half_rows and (half_rows > batch or topk < 2 * _kernel.TILE):
+      raise ValueError(
+          f"{config.half_rows=} must be at most batch = {batch}, with topk = {topk} of at"
+          f" least {2 * _kernel.TILE} indices (two halves of a tile or more)"
+      )
     interpret = resolve_interpret(interpret)
     if interpret is not None:
       require_interpreter_threads(_kernel.NUM_THREADS, "sparse_mla_decode")
@@ -93,6 +107,7 @@ def sparse_mla_decode(
         interpret=interpret,
         q_regs=config.q_regs,
         stage_out=config.stage_out,
+        half_rows=half_rows,
     )
 
 
@@ -135,11 +150,11 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
-                     "pad_heads"),
+                     "pad_heads", "half_rows"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
-    pad_heads=False,
+    pad_heads=False, half_rows=0,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
@@ -163,10 +178,24 @@ def _sparse_mla_decode(
       q_regs=q_regs,
       stage_out=stage_out,
       q_heads=q_heads,
+      half_rows=half_rows,
   )
-  o, lse = call(qp, rows, indices)
+  o, lse, *halves = call(qp, rows, indices)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
-    return real_heads(o, lse, heads)
+    out, lse = real_heads(o, lse, heads)
+    if not half_rows:
+      return out, lse
+    # The last rows' halves ([half_rows, 2, hp, 512], [half_rows, 2, hp] f32),
+    # merged into the rows the kernel left unwritten.
+    cut_o, cut_lse = combine_splits(halves[0][:, :, :heads], halves[1][:, :, :heads],
+                                    empty_nan=not select)
+    whole = batch - half_rows
+    # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
+    # from taking the kernel's call into the update of its own output, where
+    # it finds a cycle and fails (jax 0.11.2). Slices and a concatenation in
+    # place of the update were correct but 1-11 µs slower on the H200.
+    out, lse = lax.optimization_barrier((out, lse))
+    return out.at[whole:].set(cut_o.astype(out.dtype)), lse.at[whole:].set(cut_lse)
   # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32. In
   # "multiply", a split of -1s only that met a NaN null block poisons its
   # row, as in production kernels' merge.
