@@ -41,7 +41,9 @@ class SparseMLADecodeConfig:
       afterwards, while the other rows keep one CTA per head group. None:
       `wave_fill_rows` (enough that the CTAs make two whole waves where one
       CTA per row and head group overruns one wave by at most half of one);
-      0: none.
+      0: none. On the H200 (top-k 2048, 2026-12-03) the automatic count took
+      96 x 128 heads from 145.4 to 127.1 µs and 150 x 64 from 153.9 to 140.8
+      (NOTES.md).
   """
 
   num_splits: int = 1
