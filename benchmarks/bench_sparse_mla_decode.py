@@ -38,7 +38,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
-from jaxkv.kernels.sparse_mla_decode.config import default_config, wave_fill_rows
+from jaxkv.kernels.sparse_mla_decode.config import default_config, rows_to_cut
 from jaxkv.kernels.sparse_mla_decode.wrapper import _sparse_mla_decode
 
 NUM_BLOCKS, BLOCK_SIZE, TOPK = 8192, 64, 2048  # a 604 MB cache, far past L2
@@ -180,10 +180,7 @@ def main(argv=None) -> int:
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
-    rows_cut = cfg.half_rows
-    if rows_cut is None:
-      rows_cut = wave_fill_rows(batch=batch, num_heads=heads, topk=topk,
-                                num_splits=cfg.num_splits)
+    rows_cut = rows_to_cut(cfg, batch=batch, num_heads=heads, topk=topk)
     print(f"b{batch} h{heads} topk{topk} inv{invalid}: {cfg.num_splits} splits,"
           f" {rows_cut} rows cut in halves, ceiling"
           f" {kv_bytes / t_ceil / 1e12:.2f} TB/s, XLA reference {t_ref * 1e6:.0f} us", flush=True)

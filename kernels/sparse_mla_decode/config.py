@@ -91,6 +91,14 @@ def wave_fill_rows(
   return min(batch, 2 * num_sms // groups - batch)
 
 
+def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int, topk: int) -> int:
+  """`config.half_rows`, or where it is None, `wave_fill_rows` for this shape."""
+  if config.half_rows is not None:
+    return config.half_rows
+  return wave_fill_rows(batch=batch, num_heads=num_heads, topk=topk,
+                        num_splits=config.num_splits)
+
+
 def heuristic_config(
     *, batch: int, num_heads: int, topk: int, num_sms: int = 132
 ) -> SparseMLADecodeConfig:

@@ -221,8 +221,9 @@ def build_kernel(
       # CTA b < whole_rows: row b whole; then two CTAs per cut row, its halves.
       cut = b - whole_rows
       whole = cut < 0
-      half = lax.rem(jnp.maximum(cut, 0), 2)
-      part = jnp.maximum(cut, 0) // 2  # the cut row's index among the cut rows
+      cut = jnp.maximum(cut, 0)
+      half = lax.rem(cut, 2)
+      part = cut // 2  # the cut row's index among the cut rows
       b = jnp.where(whole, b, whole_rows + part)
       tok0 = jnp.where(whole, 0, half * (first_half * TILE))
       n_tiles = jnp.where(whole, num_tiles, jnp.where(half == 0, first_half,

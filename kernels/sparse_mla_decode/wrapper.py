@@ -18,7 +18,7 @@ from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import (
     SparseMLADecodeConfig,
     default_config,
-    wave_fill_rows,
+    rows_to_cut,
 )
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
 
@@ -83,11 +83,8 @@ def sparse_mla_decode(
           f"{config.num_splits=} must divide {topk=} into multiples of"
           f" {_kernel.TILE} indices"
       )
-    half_rows = config.half_rows
-    if half_rows is None:
-      half_rows = wave_fill_rows(batch=batch, num_heads=heads, topk=topk,
-                                 num_splits=config.num_splits)
-    elif half_rows and (half_rows > batch or topk < 2 * _kernel.TILE):
+    half_rows = rows_to_cut(config, batch=batch, num_heads=heads, topk=topk)
+    if half_rows and (half_rows > batch or topk < 2 * _kernel.TILE):
       raise ValueError(
           f"{config.half_rows=} must be at most batch = {batch}, with topk = {topk} of at"
           f" least {2 * _kernel.TILE} indices (two halves of a tile or more)"
