@@ -8,7 +8,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
-      [--pad-heads 0 1] [--half-rows auto|off|N]
+      [--pad-heads 0 1] [--half-rows auto|off|N] [--cluster-merge 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -19,7 +19,11 @@ head group), and compares its result bitwise with the unpadded one's.
 `--half-rows` sets `SparseMLADecodeConfig.half_rows` on every one-split
 config, the NaN checks' included: "auto" (the default config's: cut rows
 where one CTA per row overruns a wave by at most half of one), "off" (0),
-or N rows (at most the batch).
+or N rows (at most the batch). `--cluster-merge` times each variant with
+`SparseMLADecodeConfig.cluster_merge` set to each value (splits merged by
+the kernel's clusters, or by the combine kernel after it; the default: the
+config's), compares the two results (within 2e-3 of each other, NaN in the
+same places), and runs the NaN check with each, at 8 splits.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
-from jaxkv.kernels.sparse_mla_decode.config import default_config, rows_to_cut
+from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, default_config, rows_to_cut
 from jaxkv.kernels.sparse_mla_decode.wrapper import _sparse_mla_decode
 
 NUM_BLOCKS, BLOCK_SIZE, TOPK = 8192, 64, 2048  # a 604 MB cache, far past L2
@@ -79,6 +83,18 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _same_result(a, b) -> bool:
+  """Two `(out, lse)` of one call by different merges: NaN in the same places,
+  the rest within 2e-3 (out, relative to its scale) and 1e-5 (lse)."""
+  (oa, la), (ob, lb) = a, b
+  if not ((np.isnan(oa) == np.isnan(ob)).all() and (np.isnan(la) == np.isnan(lb)).all()):
+    return False
+  fin = ~np.isnan(oa)
+  scale = max(float(np.abs(ob[fin]).max(initial=0.0)), 1e-30)
+  return (float(np.abs(oa[fin] - ob[fin]).max(initial=0.0)) <= 2e-3 * scale
+          and np.allclose(la, lb, rtol=1e-5, atol=1e-5, equal_nan=True))
+
+
 def _pallas_config(splits, batch, heads, topk=TOPK, half_rows=None):
   """The kernel (not the XLA path) with `splits`, or the default split count if
   0, and with one split `half_rows` (None: the config's; else at most the batch)."""
@@ -111,6 +127,9 @@ def main(argv=None) -> int:
                       help="time each variant with the query padded in XLA (1) and unpadded (0)")
   parser.add_argument("--half-rows", default="auto",
                       help="auto (the config's), off, or N rows cut in halves (one split)")
+  parser.add_argument("--cluster-merge", type=int, nargs="+", default=None, choices=[0, 1],
+                      help="time each variant with the splits merged by the kernel's clusters"
+                      " (1) and by the combine kernel (0) (default: the config's)")
   args = parser.parse_args(argv)
   half_rows = {"auto": None, "off": 0}.get(args.half_rows)
   if half_rows is None and args.half_rows != "auto":
@@ -146,28 +165,42 @@ def main(argv=None) -> int:
     q_regs = args.q_regs or [cfg.q_regs]
     stage_out = [bool(v) for v in args.stage_out] if args.stage_out else [cfg.stage_out]
     pads = sorted({bool(v) for v in args.pad_heads})
-    variants = [(mode, qr, so, ph) for so in stage_out for qr in q_regs for mode in args.modes
-                for ph in pads]
-    outs = {}
-    for mode, qr, so, ph in variants:
-      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so)
+    merges = [None]
+    if args.cluster_merge and cfg.num_splits in CLUSTER_SPLITS:
+      merges = [bool(v) for v in args.cluster_merge]
+    variants = [(mode, qr, so, ph, cm) for so in stage_out for qr in q_regs
+                for mode in args.modes for ph in pads for cm in merges]
+    outs, merged = {}, {}
+    for mode, qr, so, ph, cm in variants:
+      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm)
       if ph:
         fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: _sparse_mla_decode(
             q, c, i, sm_scale=SCALE, select=mode == "select", num_splits=vcfg.num_splits,
-            interpret=None, q_regs=vcfg.q_regs, stage_out=vcfg.stage_out, pad_heads=True))
+            interpret=None, q_regs=vcfg.q_regs, stage_out=vcfg.stage_out, pad_heads=True,
+            cluster_merge=vcfg.merges_in_cluster))
       else:
         fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: sparse_mla_decode(
             q, c, i, sm_scale=SCALE, mask_mode=mode, config=vcfg))
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
-      outs[mode, qr, so, ph] = (np.asarray(out, np.float32), np.asarray(lse))
-      if so and not ph and (mode, qr, False, False) in outs:
+      if cm is not None:
+        merged[mode, qr, so, ph, cm] = (np.asarray(out, np.float32), np.asarray(lse))
+        other = merged.get((mode, qr, so, ph, not cm))
+        if other is not None:
+          close = _same_result(merged[mode, qr, so, ph, cm], other)
+          print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
+                f" agree: {close}", flush=True)
+          good &= close
+      first_merge = cm is merges[0]  # the comparisons below take one merge's variants
+      if first_merge:
+        outs[mode, qr, so, ph] = (np.asarray(out, np.float32), np.asarray(lse))
+      if first_merge and so and not ph and (mode, qr, False, False) in outs:
         same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph], outs[mode, qr, False, ph]))
         print(f"b{batch} h{heads} {mode} q_regs {qr}: staged result bit-equal to direct"
               f" stores: {same}", flush=True)
         good &= same
-      if ph:
+      if first_merge and ph:
         same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph], outs[mode, qr, so, False]))
         print(f"b{batch} h{heads} {mode} q_regs {qr} stage_out {so}: padded query's result"
               f" bit-equal to the unpadded one's: {same}", flush=True)
@@ -175,7 +208,8 @@ def main(argv=None) -> int:
       ok &= good
       t, t_kernel = _time_parts(fn, q, cache, idx)
       rows.append((batch, heads, topk, invalid,
-                   f"{mode}/qr{qr}{'/so' if so else ''}{'/pad' if ph else ''}", t * 1e6,
+                   f"{mode}/qr{qr}{'/so' if so else ''}{'/pad' if ph else ''}"
+                   f"{'' if cm is None else '/cm' if cm else '/xc'}", t * 1e6,
                    t_kernel * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
@@ -193,11 +227,15 @@ def main(argv=None) -> int:
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
   base = _pallas_config(args.splits, 16, 64, half_rows=half_rows)
-  for qr, so in [(qr, bool(so)) for qr in args.q_regs or [base.q_regs]
-                 for so in args.stage_out or [base.stage_out]]:
-    # (A staged result needs one split: the check then runs with one.)
-    cfg = dataclasses.replace(base, q_regs=qr, stage_out=so,
-                              num_splits=1 if so else base.num_splits)
+  checks = [(qr, bool(so), None) for qr in args.q_regs or [base.q_regs]
+            for so in args.stage_out or [base.stage_out]]
+  checks += [(base.q_regs, False, bool(cm)) for cm in args.cluster_merge or []]
+  for qr, so, cm in checks:
+    # (A staged result needs one split: the check then runs with one; a merge
+    # by clusters or not, with 8.)
+    splits = 8 if cm is not None else 1 if so else base.num_splits
+    cfg = dataclasses.replace(base, q_regs=qr, stage_out=so, num_splits=splits,
+                              cluster_merge=cm, half_rows=None if cm is not None else base.half_rows)
     if half_rows and cfg.num_splits == 1:  # rows 6-7 (with -1s) among those cut at 10
       cfg = dataclasses.replace(cfg, half_rows=min(half_rows, 16))
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
@@ -208,7 +246,8 @@ def main(argv=None) -> int:
     nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
         False] + [True] * 7 + [False] * 8
     ok &= nan_ok
-    print(f"NaN poisoning (q_regs {qr}, stage_out {so}, half_rows {cfg.half_rows}): select"
+    print(f"NaN poisoning (q_regs {qr}, stage_out {so}, half_rows {cfg.half_rows},"
+          f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}): select"
           f" bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")
 

@@ -198,7 +198,8 @@ def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
   )
 
 
-def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None):
+def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None,
+           cluster=(), cluster_names=()):
   """The launch of both MLA decode kernels: three warpgroups ("wg") per CTA.
 
   The last grid axis varies fastest: make it the head group, so that the
@@ -215,6 +216,8 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
     interpret: None (compiled) or the interpreter's parameters.
     profile_dir: where the in-kernel profiler writes each call's trace (it
       records `PROFILE_RANGES` ranges per warpgroup; None: no profiler).
+    cluster, cluster_names: the CTAs of a cluster and their axis names (none:
+      no clusters).
 
   Returns:
     The kernel call.
@@ -224,6 +227,8 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
       out_type=out_type,
       grid=grid,
       grid_names=grid_names,
+      cluster=cluster,
+      cluster_names=cluster_names,
       num_threads=NUM_THREADS,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

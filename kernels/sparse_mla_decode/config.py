@@ -12,6 +12,11 @@ OP = "sparse_mla_decode"
 MAX_SPLITS = 64
 TILE = 64  # indices per kernel step; the kernel's tile is this one
 IMPLEMENTATIONS = ("xla", "pallas")
+# Split counts whose CTAs can merge a row in the kernel, as one cluster
+# (`SparseMLADecodeConfig.cluster_merge`): each CTA merges 512 / splits value
+# channels, half per consumer warpgroup, and a cluster of more than 8 CTAs is
+# not portable.
+CLUSTER_SPLITS = (2, 4, 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,10 @@ class SparseMLADecodeConfig:
       0: none. On the H200 (top-k 2048, 2026-12-03) the automatic count took
       96 x 128 heads from 145.4 to 127.1 µs and 150 x 64 from 153.9 to 140.8
       (NOTES.md).
+    cluster_merge: with several splits, whether a row's splits (2, 4 or 8)
+      run as one cluster of CTAs that merge their partial results
+      themselves, through L2 after a cluster barrier, instead of a combine
+      kernel after the decode kernel. None: where `num_splits` allows it.
   """
 
   num_splits: int = 1
@@ -51,6 +60,7 @@ class SparseMLADecodeConfig:
   q_regs: int = 128
   stage_out: bool = True
   half_rows: int | None = None
+  cluster_merge: bool | None = None
 
   def __post_init__(self):
     value = self.num_splits
@@ -68,6 +78,19 @@ class SparseMLADecodeConfig:
       raise ValueError(f"half_rows={rows!r} must be None or an int >= 0")
     if rows and self.num_splits != 1:
       raise ValueError(f"{self.half_rows=} needs num_splits=1, got {self.num_splits=}")
+    if self.cluster_merge not in (None, True, False):
+      raise ValueError(f"cluster_merge={self.cluster_merge!r} must be None or a bool")
+    if self.cluster_merge and self.num_splits not in CLUSTER_SPLITS:
+      raise ValueError(
+          f"{self.cluster_merge=} needs num_splits in {CLUSTER_SPLITS}, got {self.num_splits=}")
+
+  @property
+  def merges_in_cluster(self) -> bool:
+    """Whether the kernel's clusters merge the splits (`cluster_merge`,
+    None resolved)."""
+    if self.cluster_merge is None:
+      return self.num_splits in CLUSTER_SPLITS
+    return self.cluster_merge
 
 
 def wave_fill_rows(

@@ -49,6 +49,14 @@ last tile's stage (`stage_out`): from registers, two bf16 values per thread
 and row fill half of each 32-byte sector a warp store touches, which cost the
 kernel 4-5.5% at batch 128 on the H200. The f32 partials (two per thread and
 row: whole sectors) are stored from registers.
+
+With `cluster_merge`, a row's splits (2, 4 or 8) are one cluster of CTAs that
+merge their partials themselves: each stores its partial to GMEM as above,
+the cluster meets at a barrier (`barrier.cluster`, release and acquire at
+cluster scope, so the partials' stores are visible to every CTA of the
+cluster after it), and then CTA s merges the value channels
+`[s * 512 / splits, (s + 1) * 512 / splits)` of all the splits, read back
+from L2, and stores them as the result, so that no combine kernel follows.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
 
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 from jaxkv.kernels.mla_decode.layout import (
@@ -94,7 +104,7 @@ from jaxkv.kernels.mla_decode.seesaw import (
     softmax_start,
     tile_scores,
 )
-from jaxkv.kernels.sparse_mla_decode.config import TILE
+from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
     FIRST_INVALID_SCRATCH,
     init_barriers,
@@ -121,6 +131,24 @@ CONSUMER_REGS = 232
 M_FLOOR = -1e30
 
 
+def cluster_sync() -> None:
+  """Every thread of the cluster's CTAs meets here (`barrier.cluster` arrive
+  with release, wait with acquire, both at cluster scope): each thread's
+  stores before it, to GMEM too, are visible to every thread of the cluster
+  after it. All three warpgroups of every CTA must call it once (a thread
+  that has exited is not waited for)."""
+
+  @plgpu.inline_mgpu()
+  def _sync(_ctx):
+    llvm.inline_asm(
+        ir.Type.parse("!llvm.void"), [],
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
+        "", has_side_effects=True,
+    )
+
+  _sync()
+
+
 def build_kernel(
     *,
     batch: int,
@@ -135,6 +163,7 @@ def build_kernel(
     stage_out: bool = False,
     q_heads: int | None = None,
     half_rows: int = 0,
+    cluster_merge: bool = False,
 ):
   """Builds the kernel call.
 
@@ -177,9 +206,19 @@ def build_kernel(
   `half_rows` rows are left unwritten. Where a batch's CTAs overrun one wave
   by up to half of one, the second wave is then short halves behind the
   whole rows instead of whole rows (`config.wave_fill_rows`).
+
+  `cluster_merge` (with `num_splits` in `CLUSTER_SPLITS`): the splits of a
+  row and head group are one cluster, which merges them in the kernel
+  (module docstring). The first two outputs are then the result, o `[batch,
+  heads_padded, 512]` in `out_dtype` (each CTA stores its channels from
+  registers; the last head group's real rows, whole warps' rows, alone)
+  and lse `[batch, heads_padded]` f32; two more, o `[batch, num_splits,
+  heads_padded, 512]` and lse `[batch, num_splits, heads_padded]` f32, are
+  the partials the cluster exchanged, of no use to the caller.
   """
   assert topk % (TILE * num_splits) == 0
   assert half_rows == 0 or (num_splits == 1 and topk // TILE >= 2 and half_rows <= batch)
+  assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not half_rows)
   check_choice("q_regs", q_regs, Q_REGS)
   num_tiles = topk // (TILE * num_splits)  # per split, static
   whole_rows = batch - half_rows
@@ -189,6 +228,8 @@ def build_kernel(
   compiled = interpret is None
   bf16 = bf16_tile()
   direct = num_splits == 1  # no merge: the kernel writes the result
+  merged = cluster_merge  # the cluster's CTAs merge their splits: the result too
+  merge_cols = HALF // num_splits  # value channels each consumer merges
   stage_out = stage_out and direct and out_dtype == jnp.bfloat16
   last_stage = (num_tiles - 1) % NUM_STAGES
   q_heads = heads_padded if q_heads is None else q_heads
@@ -203,7 +244,8 @@ def build_kernel(
       idx_ref,  # [batch, topk] int32, GMEM
       o_ref,  # [batch, (num_splits,) out_heads, 512], GMEM
       lse_ref,  # [batch, (num_splits,) out_heads] f32, GMEM
-      *half_refs,  # with half_rows: [half_rows, 2, heads_padded, (512)] f32, GMEM
+      *more_refs,  # half_rows: [half_rows, 2, heads_padded, (512)] f32; cluster_merge:
+      # [batch, num_splits, heads_padded, (512)] f32 (GMEM)
   ):
     g = lax.axis_index("g")
     split = lax.axis_index("s")
@@ -247,6 +289,8 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
+      if merged and not compiled:
+        *extra_refs, cluster_bar = extra_refs
       if tail_heads < HEAD_TILE and stage_out:
         *extra_refs, lse_stage = extra_refs
       if compiled:
@@ -373,6 +417,8 @@ def build_kernel(
         else:
           for i in range(max(num_tiles - NUM_STAGES, 0), num_tiles):
             plgpu.barrier_wait(free_bar.at[i % NUM_STAGES])
+        if merged and compiled:
+          cluster_sync()  # every thread of the cluster arrives
 
       def consumer(wg: int):
         # `wg` is static: every SMEM slice below has a compile-time offset.
@@ -462,10 +508,54 @@ def build_kernel(
           if wg == 0:
             lse_dst[heads] = lse
 
+        def merge_cluster(part_o, part_lse):
+          # This CTA's channels of the row's result, from every split's partial
+          # (as `combine_splits` merges them; after `cluster_sync` or, in the
+          # interpreter, the cluster barrier, all are in GMEM).
+          chans = pl.ds(split * (LATENT // num_splits) + wg * merge_cols, merge_cols)
+          lses = [plgpu.load(part_lse.at[b, j, heads], layout=row_layout, optimized=False) * LOG2E
+                  for j in range(num_splits)]
+          m = lses[0]
+          for lse_j in lses[1:]:
+            m = jnp.maximum(m, lse_j)
+          # No live split: m is -inf, every weight is selected to 0, l stays 0.
+          m_ref = jnp.where(m == -jnp.inf, 0.0, m)
+          acc, _, l = softmax_start(merge_cols)
+          for j, lse_j in enumerate(lses):
+            live = lse_j > -jnp.inf
+            w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
+            o_j = plgpu.load(part_o.at[b, j, heads, chans], layout=plgpu.Layout.WGMMA,
+                             optimized=False)
+            keep = lax.broadcast_in_dim(live, o_j.shape, [0])
+            if not select:
+              # A split of masked slots alone that met NaN in "multiply" poisons
+              # the row, as the production merge's weight-0 product does.
+              keep = keep | jnp.isnan(o_j)
+            acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
+            l = l + w
+          res, lse = softmax_finish(acc, m, l)
+          res = jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0)
+          store_head_rows(o_ref.at[b, heads, chans], res.astype(out_dtype), g,
+                          head_groups=head_groups, tail_heads=tail_heads, compiled=compiled)
+          if wg == 0:
+
+            @pl.when(split == 0)
+            def _():
+              lse_ref[b, heads] = lse
+
         if half_rows:
-          half_o, half_lse = half_refs
+          half_o, half_lse = more_refs
           pl.when(whole)(store_result)
           pl.when(~whole)(lambda: store_partial(half_o.at[part, half], half_lse.at[part, half]))
+        elif merged:
+          part_o, part_lse = more_refs
+          store_partial(part_o.at[b, split], part_lse.at[b, split])
+          if compiled:
+            cluster_sync()
+          else:
+            plgpu.barrier_arrive(cluster_bar)
+            plgpu.barrier_wait(cluster_bar)
+          merge_cluster(part_o, part_lse)
         elif direct:
           store_result()
         else:
@@ -489,6 +579,10 @@ def build_kernel(
       ]
     if tail_heads < HEAD_TILE and stage_out:
       extra.append(plgpu.SMEM((HEAD_TILE,), jnp.float32))  # the last group's LSE
+    if merged and not compiled:
+      # The interpreter has no `barrier.cluster`: each consumer arrives on
+      # every CTA's barrier of the cluster.
+      extra.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=2))
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
@@ -509,16 +603,22 @@ def build_kernel(
 
   # No automatic barriers: each cross-thread hazard above is ordered by an
   # explicit commit_smem or an mbarrier.
+  result = (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
+            jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
+  if merged:
+    out_type = (*result, *split_outputs(batch, num_splits, heads_padded))
+  elif direct:
+    out_type = (*result, *(split_outputs(half_rows, 2, heads_padded) if half_rows else ()))
+  else:
+    out_type = split_outputs(batch, num_splits, heads_padded)
   return launch(
       sparse_mla_decode_kernel,
-      grid=(batch + half_rows, num_splits, heads_padded // HEAD_TILE),
-      grid_names=("b", "s", "g"),
-      out_type=(
-          (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
-           jax.ShapeDtypeStruct((batch, out_heads), jnp.float32),
-           *(split_outputs(half_rows, 2, heads_padded) if half_rows else ()))
-          if direct else split_outputs(batch, num_splits, heads_padded)
-      ),
+      # With cluster_merge the splits are the cluster's axis (its CTAs side by side).
+      grid=(batch + half_rows, *(() if merged else (num_splits,)), heads_padded // HEAD_TILE),
+      grid_names=("b", *(() if merged else ("s",)), "g"),
+      cluster=(num_splits,) if merged else (),
+      cluster_names=("s",) if merged else (),
+      out_type=out_type,
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
   )

@@ -91,7 +91,9 @@ def sparse_mla_decode(
       )
     interpret = resolve_interpret(interpret)
     if interpret is not None:
-      require_interpreter_threads(_kernel.NUM_THREADS, "sparse_mla_decode")
+      # The interpreter runs a cluster's CTAs at once.
+      cluster = config.num_splits if config.merges_in_cluster else 1
+      require_interpreter_threads(_kernel.NUM_THREADS * cluster, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
       return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
     return _sparse_mla_decode(
@@ -105,6 +107,7 @@ def sparse_mla_decode(
         q_regs=config.q_regs,
         stage_out=config.stage_out,
         half_rows=half_rows,
+        cluster_merge=config.merges_in_cluster,
     )
 
 
@@ -147,11 +150,11 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
-                     "pad_heads", "half_rows"),
+                     "pad_heads", "half_rows", "cluster_merge"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
-    pad_heads=False, half_rows=0,
+    pad_heads=False, half_rows=0, cluster_merge=False,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
@@ -176,15 +179,18 @@ def _sparse_mla_decode(
       stage_out=stage_out,
       q_heads=q_heads,
       half_rows=half_rows,
+      cluster_merge=cluster_merge,
   )
-  o, lse, *halves = call(qp, rows, indices)
+  o, lse, *more = call(qp, rows, indices)
+  if cluster_merge:  # the clusters merged the splits: [b, hp, 512], [b, hp]
+    return real_heads(o, lse, heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
     out, lse = real_heads(o, lse, heads)
     if not half_rows:
       return out, lse
     # The last rows' halves ([half_rows, 2, hp, 512], [half_rows, 2, hp] f32),
     # merged into the rows the kernel left unwritten.
-    cut_o, cut_lse = combine_splits(halves[0][:, :, :heads], halves[1][:, :, :heads],
+    cut_o, cut_lse = combine_splits(more[0][:, :, :heads], more[1][:, :, :heads],
                                     empty_nan=not select)
     whole = batch - half_rows
     # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
