@@ -1,10 +1,12 @@
-"""Test-wide settings: 8 fake CPU devices, strict dtype promotion, jaxtyping checks."""
+"""Test-wide settings: 24 fake CPU devices, strict dtype promotion, jaxtyping checks."""
 
 import os
 
-# Must be set before jax is imported anywhere in the test process.
+# Must be set before jax is imported anywhere in the test process. 24: the
+# GPU interpreter runs every warpgroup of a cluster at once, 24 for sparse
+# decode's clusters of 8 CTAs (`kernels._common.require_interpreter_threads`).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=24"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -15,8 +15,11 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode_reference,
 )
 from jaxkv.kernels.sparse_mla_decode.config import (
+    MAX_CLUSTER_CTAS,
+    cluster_merge_pays,
     config_from_entries,
     heuristic_config,
+    merges_in_cluster,
     wave_fill_rows,
 )
 
@@ -44,10 +47,12 @@ def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
   return q, cache, idx
 
 
-def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0, stage_out=True):
+def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0, stage_out=True,
+         cluster_merge=None):
   return sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
-      config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs, stage_out=stage_out),
+      config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs, stage_out=stage_out,
+                                   cluster_merge=cluster_merge),
   )
 
 
@@ -134,6 +139,11 @@ def test_nan_poisoning():
   out, lse = _run(q, poisoned, idx, "select", interpret=FAST)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
+  # The same with two splits merged by the kernel's clusters.
+  merged = [_run(q, c, idx, "select", splits=2, interpret=FAST, cluster_merge=True)
+            for c in (cache, poisoned)]
+  for a, b in zip(*merged):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
@@ -142,8 +152,9 @@ def test_nan_poisoning():
   ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
   want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
   np.testing.assert_array_equal(want, [False, True, True, False, True])
-  for splits in (1, 2):
-    out, lse = _run(q, poisoned, idx, "multiply", splits=splits, interpret=FAST)
+  for splits, cluster in ((1, None), (2, False), (2, True)):
+    out, lse = _run(q, poisoned, idx, "multiply", splits=splits, interpret=FAST,
+                    cluster_merge=cluster)
     nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
     np.testing.assert_array_equal(nan_rows, want)
     assert np.isfinite(np.asarray(out[0], np.float32)).all()
@@ -153,6 +164,58 @@ def test_nan_poisoning():
   out, lse = _run(q, zeroed, idx, "multiply", interpret=FAST)
   ref_out, ref_lse = sparse_mla_decode_reference(q, zeroed, idx, sm_scale=SCALE, mask_mode="multiply")
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
+
+
+@pytest.mark.parametrize(
+    "heads, mode, splits",
+    [(64, "select", 2), (16, "multiply", 4), (96, "select", 8)],
+)
+def test_cluster_merge(heads, mode, splits):
+  """`cluster_merge`: a row's splits, one cluster, merge in the kernel (the
+  interpreter runs a cluster's CTAs at once and meets them at a cluster
+  barrier): the reference's result, and the combine kernel's within a bf16
+  rounding with the same LSE. Row 1 has no valid index; row 0's last split
+  none (at 96 heads the last head group's real rows are stored alone; at 16
+  heads the queries are float32, and so is the result)."""
+  q, cache, idx = _inputs(40 + splits, 3, heads, 64 * splits, dead_rows=(1,))
+  idx = idx.at[0, -64:].set(-1)
+  if heads == 16:
+    q = q.astype(jnp.float32)
+  # (Two splits with the race detector: the partials' stores and the merge's
+  # loads are ordered by the cluster barrier alone.)
+  out, lse = _run(q, cache, idx, mode, splits, interpret=INTERPRET if splits == 2 else FAST,
+                  cluster_merge=True)
+  assert out.shape == (3, heads, 512) and out.dtype == q.dtype and lse.shape == (3, heads)
+  assert (np.asarray(out[1], np.float32) == 0).all() and (np.asarray(lse[1]) == -np.inf).all()
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  live = np.asarray([0, 2])
+  _check(out[live], lse[live], ref_out[live], ref_lse[live])
+  comb_out, comb_lse = _run(q, cache, idx, mode, splits, interpret=FAST, cluster_merge=False)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(comb_out, np.float32),
+                             rtol=2**-7, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(comb_lse), rtol=1e-6, atol=1e-6)
+
+
+def test_cluster_merge_pays():
+  """`cluster_merge=None`: clusters of 4 or 8 splits within MAX_CLUSTER_CTAS
+  CTAs (beyond, they took two waves on the H200), never at 2 splits."""
+  assert MAX_CLUSTER_CTAS == 96
+  assert cluster_merge_pays(batch=8, num_heads=64, num_splits=8)  # 64 CTAs
+  assert cluster_merge_pays(batch=12, num_heads=64, num_splits=8)  # 96
+  assert not cluster_merge_pays(batch=16, num_heads=64, num_splits=8)  # 128
+  assert cluster_merge_pays(batch=6, num_heads=128, num_splits=8)  # 96
+  assert cluster_merge_pays(batch=24, num_heads=64, num_splits=4)
+  assert not cluster_merge_pays(batch=32, num_heads=16, num_splits=4)
+  assert not cluster_merge_pays(batch=8, num_heads=64, num_splits=2)
+  assert not cluster_merge_pays(batch=1, num_heads=64, num_splits=16)
+  assert not cluster_merge_pays(batch=8, num_heads=64, num_splits=1)
+  config = SparseMLADecodeConfig(num_splits=8)
+  assert merges_in_cluster(config, batch=8, num_heads=64)
+  assert not merges_in_cluster(config, batch=16, num_heads=64)
+  forced = SparseMLADecodeConfig(num_splits=8, cluster_merge=True)
+  assert merges_in_cluster(forced, batch=16, num_heads=64)
+  off = SparseMLADecodeConfig(num_splits=8, cluster_merge=False)
+  assert not merges_in_cluster(off, batch=8, num_heads=64)
 
 
 @pytest.mark.parametrize("heads", [16, 128])
@@ -297,6 +360,11 @@ def test_config_validation():
   # (The suite's runtime type checks answer first, with a TypeError.)
   with pytest.raises((TypeError, ValueError), match="stage_out"):
     SparseMLADecodeConfig(stage_out=1)
+  for splits in (1, 3, 16):
+    with pytest.raises(ValueError, match="cluster_merge"):
+      SparseMLADecodeConfig(num_splits=splits, cluster_merge=True)
+  with pytest.raises((TypeError, ValueError), match="cluster_merge"):
+    SparseMLADecodeConfig(num_splits=2, cluster_merge=1)
 
 
 def test_tuned_entries_match_their_batches_alone():
@@ -348,6 +416,12 @@ def test_interpreter_without_enough_cpu_threads_fails_fast(monkeypatch):
   q, cache, idx = _inputs(0, 1, 16, 64)
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET)
+  # A cluster of 4 CTAs' 12 warpgroups run at once.
+  monkeypatch.setattr(common, "cpu_parallelism", lambda: 8)
+  q, cache, idx = _inputs(0, 1, 16, 256)
+  with pytest.raises(ValueError, match="runs 12 warpgroups"):
+    sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=INTERPRET,
+                      config=SparseMLADecodeConfig(num_splits=4, cluster_merge=True))
 
 
 @pytest.mark.parametrize(
@@ -387,6 +461,24 @@ def _assert_lowers(call, batch, heads, topk, select):
     ops.append("nvvm.redux.sync")
   for op in ops:
     assert op in text, op
+  return text
+
+
+@pytest.mark.parametrize("select, heads, splits", [(True, 128, 8), (False, 16, 2)])
+def test_compiled_kernel_with_cluster_merge_lowers_for_hopper(select, heads, splits):
+  """`cluster_merge` on the compiled path: clusters, and `barrier.cluster` in
+  place of the interpreter's cluster barrier."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 2, 64 * splits
+  call = K.build_kernel(
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=splits,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, cluster_merge=True,
+  )
+  text = _assert_lowers(call, batch, heads, topk, select)
+  assert "barrier.cluster.arrive.release.aligned" in text
+  assert "gpu.cluster_block_id" in text
 
 
 @pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])

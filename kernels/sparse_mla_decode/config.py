@@ -17,6 +17,11 @@ IMPLEMENTATIONS = ("xla", "pallas")
 # channels, half per consumer warpgroup, and a cluster of more than 8 CTAs is
 # not portable.
 CLUSTER_SPLITS = (2, 4, 8)
+# The most CTAs a launch in clusters of 4 or 8 ran in one wave on the H200
+# (top-k 2048, 2026-12-04): 12 x 64 heads at 8 splits and 24 x 64 at 4 (96
+# CTAs) did; 16 x 64 at 8 and 32 x 64 at 4 (128 CTAs) took two waves, 1.5-1.9x
+# the time, since a cluster's CTAs must all fit on one GPC at once.
+MAX_CLUSTER_CTAS = 96
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +57,12 @@ class SparseMLADecodeConfig:
     cluster_merge: with several splits, whether a row's splits (2, 4 or 8)
       run as one cluster of CTAs that merge their partial results
       themselves, through L2 after a cluster barrier, instead of a combine
-      kernel after the decode kernel. None: where `num_splits` allows it.
+      kernel after the decode kernel. None: `cluster_merge_pays`. On the H200
+      (top-k 2048, 2026-12-04) it took 8 x 64 heads from 20.5 to 18.8 µs and
+      4 x 128 from 20.1 to 18.5 and 10-24 x 64 and 6 x 128 by 1-4%; it
+      took as long as the combine at two splits, and twice as long where
+      clusters of 4 or 8 CTAs need more than `MAX_CLUSTER_CTAS` SMs
+      (NOTES.md).
   """
 
   num_splits: int = 1
@@ -84,13 +94,6 @@ class SparseMLADecodeConfig:
       raise ValueError(
           f"{self.cluster_merge=} needs num_splits in {CLUSTER_SPLITS}, got {self.num_splits=}")
 
-  @property
-  def merges_in_cluster(self) -> bool:
-    """Whether the kernel's clusters merge the splits (`cluster_merge`,
-    None resolved)."""
-    if self.cluster_merge is None:
-      return self.num_splits in CLUSTER_SPLITS
-    return self.cluster_merge
 
 
 def wave_fill_rows(
@@ -120,6 +123,23 @@ def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int, to
     return config.half_rows
   return wave_fill_rows(batch=batch, num_heads=num_heads, topk=topk,
                         num_splits=config.num_splits)
+
+
+def cluster_merge_pays(*, batch: int, num_heads: int, num_splits: int) -> bool:
+  """Whether a row's splits merge in the kernel's clusters
+  (`SparseMLADecodeConfig.cluster_merge=None`): at 4 or 8 splits where the
+  launch's CTAs stay within `MAX_CLUSTER_CTAS`. At 2 splits the merge in the
+  clusters took as long as the combine kernel on the H200 (40-64 x 64 heads,
+  +1.2% to -0.3%), so the combine stays there."""
+  ctas = batch * -(-num_heads // 64) * num_splits
+  return num_splits in (4, 8) and ctas <= MAX_CLUSTER_CTAS
+
+
+def merges_in_cluster(config: SparseMLADecodeConfig, *, batch: int, num_heads: int) -> bool:
+  """`config.cluster_merge`, or where it is None, `cluster_merge_pays` for this shape."""
+  if config.cluster_merge is not None:
+    return config.cluster_merge
+  return cluster_merge_pays(batch=batch, num_heads=num_heads, num_splits=config.num_splits)
 
 
 def heuristic_config(

@@ -18,6 +18,7 @@ from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import (
     SparseMLADecodeConfig,
     default_config,
+    merges_in_cluster,
     rows_to_cut,
 )
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
@@ -89,10 +90,11 @@ def sparse_mla_decode(
           f"{config.half_rows=} must be at most batch = {batch}, with topk = {topk} of at"
           f" least {2 * _kernel.TILE} indices (two halves of a tile or more)"
       )
+    cluster_merge = merges_in_cluster(config, batch=batch, num_heads=heads)
     interpret = resolve_interpret(interpret)
     if interpret is not None:
-      # The interpreter runs a cluster's CTAs at once.
-      cluster = config.num_splits if config.merges_in_cluster else 1
+      # The interpreter runs all the CTAs of a cluster at once.
+      cluster = config.num_splits if cluster_merge else 1
       require_interpreter_threads(_kernel.NUM_THREADS * cluster, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
       return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
@@ -107,7 +109,7 @@ def sparse_mla_decode(
         q_regs=config.q_regs,
         stage_out=config.stage_out,
         half_rows=half_rows,
-        cluster_merge=config.merges_in_cluster,
+        cluster_merge=cluster_merge,
     )
 
 
