@@ -18,10 +18,10 @@ IMPLEMENTATIONS = ("xla", "pallas")
 # not portable.
 CLUSTER_SPLITS = (2, 4, 8)
 # The most CTAs a launch in clusters of 4 or 8 ran in one wave on the H200
-# (top-k 2048, 2026-12-04): 12 x 64 heads at 8 splits and 24 x 64 at 4 (96
+# (top-k 2048, 2026-12-04): 15 x 64 heads at 8 splits and 30 x 64 at 4 (120
 # CTAs) did; 16 x 64 at 8 and 32 x 64 at 4 (128 CTAs) took two waves, 1.5-1.9x
 # the time, since a cluster's CTAs must all fit on one GPC at once.
-MAX_CLUSTER_CTAS = 96
+MAX_CLUSTER_CTAS = 120
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class SparseMLADecodeConfig:
       themselves, through L2 after a cluster barrier, instead of a combine
       kernel after the decode kernel. None: `cluster_merge_pays`. On the H200
       (top-k 2048, 2026-12-04) it took 8 x 64 heads from 20.5 to 18.8 µs and
-      4 x 128 from 20.1 to 18.5 and 10-24 x 64 and 6 x 128 by 1-4%; it
+      4 x 128 from 20.1 to 18.5, and 6-30 x 64 and 6-7 x 128 by 1-8%; it
       took as long as the combine at two splits, and twice as long where
       clusters of 4 or 8 CTAs need more than `MAX_CLUSTER_CTAS` SMs
       (NOTES.md).
