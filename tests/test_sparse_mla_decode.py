@@ -197,8 +197,8 @@ def test_cluster_merge(heads, mode, splits):
 
 
 def test_cluster_merge_pays():
-  """`cluster_merge=None`: clusters of 4 or 8 splits within MAX_CLUSTER_CTAS
-  CTAs (beyond, they took two waves on the H200), never at 2 splits."""
+  """`cluster_merge=None`: clusters of 2 splits, and of 4 or 8 within
+  MAX_CLUSTER_CTAS CTAs (beyond, they took two waves on the H200)."""
   assert MAX_CLUSTER_CTAS == 120
   assert cluster_merge_pays(batch=8, num_heads=64, num_splits=8)  # 64 CTAs
   assert cluster_merge_pays(batch=15, num_heads=64, num_splits=8)  # 120
@@ -207,7 +207,8 @@ def test_cluster_merge_pays():
   assert cluster_merge_pays(batch=30, num_heads=64, num_splits=4)  # 120
   assert not cluster_merge_pays(batch=31, num_heads=64, num_splits=4)  # 124
   assert not cluster_merge_pays(batch=32, num_heads=16, num_splits=4)
-  assert not cluster_merge_pays(batch=8, num_heads=64, num_splits=2)
+  assert cluster_merge_pays(batch=64, num_heads=64, num_splits=2)  # 128
+  assert cluster_merge_pays(batch=32, num_heads=128, num_splits=2)
   assert not cluster_merge_pays(batch=1, num_heads=64, num_splits=16)
   assert not cluster_merge_pays(batch=8, num_heads=64, num_splits=1)
   config = SparseMLADecodeConfig(num_splits=8)

@@ -58,11 +58,10 @@ class SparseMLADecodeConfig:
       run as one cluster of CTAs that merge their partial results
       themselves, through L2 after a cluster barrier, instead of a combine
       kernel after the decode kernel. None: `cluster_merge_pays`. On the H200
-      (top-k 2048, 2026-12-04) it took 8 x 64 heads from 20.5 to 18.8 µs and
-      4 x 128 from 20.1 to 18.5, and 6-30 x 64 and 6-7 x 128 by 1-8%; it
-      took as long as the combine at two splits, and twice as long where
-      clusters of 4 or 8 CTAs need more than `MAX_CLUSTER_CTAS` SMs
-      (NOTES.md).
+      (top-k 2048, 2026-12-04) it took 14 x 64 heads from 25.2 to 22.1 µs,
+      64 x 64 from 57.1 to 53.1 and 32 x 128 from 53.2 to 48.5 (6-12% at
+      8-64 x 64 and 24-32 x 128), and twice as long where clusters of 4 or 8
+      CTAs need more than `MAX_CLUSTER_CTAS` SMs (NOTES.md).
   """
 
   num_splits: int = 1
@@ -127,12 +126,11 @@ def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int, to
 
 def cluster_merge_pays(*, batch: int, num_heads: int, num_splits: int) -> bool:
   """Whether a row's splits merge in the kernel's clusters
-  (`SparseMLADecodeConfig.cluster_merge=None`): at 4 or 8 splits where the
-  launch's CTAs stay within `MAX_CLUSTER_CTAS`. At 2 splits the merge in the
-  clusters took as long as the combine kernel on the H200 (40-64 x 64 heads,
-  +1.2% to -0.3%), so the combine stays there."""
+  (`SparseMLADecodeConfig.cluster_merge=None`): at 2 splits, and at 4 or 8
+  where the launch's CTAs stay within `MAX_CLUSTER_CTAS` (clusters of 2 ran
+  128 CTAs in one wave on the H200)."""
   ctas = batch * -(-num_heads // 64) * num_splits
-  return num_splits in (4, 8) and ctas <= MAX_CLUSTER_CTAS
+  return num_splits == 2 or (num_splits in (4, 8) and ctas <= MAX_CLUSTER_CTAS)
 
 
 def merges_in_cluster(config: SparseMLADecodeConfig, *, batch: int, num_heads: int) -> bool:

@@ -50,13 +50,15 @@ and row fill half of each 32-byte sector a warp store touches, which cost the
 kernel 4-5.5% at batch 128 on the H200. The f32 partials (two per thread and
 row: whole sectors) are stored from registers.
 
-With `cluster_merge`, a row's splits (2, 4 or 8) are one cluster of CTAs that
-merge their partials themselves: each stores its partial to GMEM as above,
-the cluster meets at a barrier (`barrier.cluster`, release and acquire at
-cluster scope, so the partials' stores are visible to every CTA of the
-cluster after it), and then CTA s merges the value channels
-`[s * 512 / splits, (s + 1) * 512 / splits)` of all the splits, read back
-from L2, and stores them as the result, so that no combine kernel follows.
+With `cluster_merge`, a row's splits (n = 2, 4 or 8) are one cluster of CTAs
+that merge their partials themselves, so that no combine kernel follows.
+Consumer w of CTA s merges piece s of its value half (channels
+`[256 w + s * 256 / n, + 256 / n)`) of all the splits: it stores the other
+pieces of its partial to GMEM for the CTAs that merge them and keeps piece s
+in registers; the cluster meets at a barrier (`barrier.cluster`, release and
+acquire at cluster scope, so the stores are visible to every CTA of the
+cluster after it); then it reads piece s of the other splits back from L2,
+merges, and stores the result's piece.
 """
 
 from __future__ import annotations
@@ -214,7 +216,8 @@ def build_kernel(
   registers; the last head group's real rows, whole warps' rows, alone)
   and lse `[batch, heads_padded]` f32; two more, o `[batch, num_splits,
   heads_padded, 512]` and lse `[batch, num_splits, heads_padded]` f32, are
-  the partials the cluster exchanged, of no use to the caller.
+  the partials the cluster exchanged (without each CTA's own pieces), of no
+  use to the caller.
   """
   assert topk % (TILE * num_splits) == 0
   assert half_rows == 0 or (num_splits == 1 and topk // TILE >= 2 and half_rows <= batch)
@@ -508,24 +511,49 @@ def build_kernel(
           if wg == 0:
             lse_dst[heads] = lse
 
+        def share(k):
+          # Piece k of our value half: the channels CTA k of the cluster merges.
+          return o[:, k * merge_cols:(k + 1) * merge_cols]
+
+        def store_shares(o_dst, lse_dst):
+          # Our partial for the cluster: every piece of our half but our own
+          # CTA's, which stays in registers for `merge_cluster`, and the LSE.
+          for k in range(num_splits):
+            pl.when(split != k)(lambda k=k: store_head_rows(
+                o_dst.at[heads, pl.ds(wg * HALF + k * merge_cols, merge_cols)], share(k), g,
+                head_groups=head_groups, tail_heads=tail_heads, compiled=compiled))
+          if wg == 0:
+            lse_dst[heads] = lse
+
         def merge_cluster(part_o, part_lse):
-          # This CTA's channels of the row's result, from every split's partial
-          # (as `combine_splits` merges them; after `cluster_sync` or, in the
-          # interpreter, the cluster barrier, all are in GMEM).
-          chans = pl.ds(split * (LATENT // num_splits) + wg * merge_cols, merge_cols)
-          lses = [plgpu.load(part_lse.at[b, j, heads], layout=row_layout, optimized=False) * LOG2E
-                  for j in range(num_splits)]
+          # Our CTA's piece of our half of the row's result, from every split's
+          # partial, as `combine_splits` merges them: ours from registers, the
+          # others' from GMEM (after `cluster_sync` or, in the interpreter, the
+          # cluster barrier, all are there).
+          chans = pl.ds(wg * HALF + split * merge_cols, merge_cols)
+          split_rows = plgpu.layout_cast(jnp.full((HEAD_TILE,), split, jnp.int32), row_layout)
+          own = share(0)
+          for k in range(1, num_splits):
+            pick = lax.broadcast_in_dim(split_rows == k, own.shape, [0])
+            own = jnp.where(pick, share(k), own)
+          peers = [lax.rem(split + d, num_splits) for d in range(1, num_splits)]
+          lses = [lse * LOG2E] + [
+              plgpu.load(part_lse.at[b, j, heads], layout=row_layout, optimized=False) * LOG2E
+              for j in peers]
+          parts = [lambda: own] + [
+              lambda j=j: plgpu.load(part_o.at[b, j, heads, chans], layout=plgpu.Layout.WGMMA,
+                                     optimized=False)
+              for j in peers]
           m = lses[0]
           for lse_j in lses[1:]:
             m = jnp.maximum(m, lse_j)
           # No live split: m is -inf, every weight is selected to 0, l stays 0.
           m_ref = jnp.where(m == -jnp.inf, 0.0, m)
           acc, _, l = softmax_start(merge_cols)
-          for j, lse_j in enumerate(lses):
+          for lse_j, part in zip(lses, parts):
             live = lse_j > -jnp.inf
             w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
-            o_j = plgpu.load(part_o.at[b, j, heads, chans], layout=plgpu.Layout.WGMMA,
-                             optimized=False)
+            o_j = part()
             keep = lax.broadcast_in_dim(live, o_j.shape, [0])
             if not select:
               # A split of masked slots alone that met NaN in "multiply" poisons
@@ -533,7 +561,7 @@ def build_kernel(
               keep = keep | jnp.isnan(o_j)
             acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
             l = l + w
-          res, lse = softmax_finish(acc, m, l)
+          res, lse_row = softmax_finish(acc, m, l)
           res = jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0)
           store_head_rows(o_ref.at[b, heads, chans], res.astype(out_dtype), g,
                           head_groups=head_groups, tail_heads=tail_heads, compiled=compiled)
@@ -541,7 +569,7 @@ def build_kernel(
 
             @pl.when(split == 0)
             def _():
-              lse_ref[b, heads] = lse
+              lse_ref[b, heads] = lse_row
 
         if half_rows:
           half_o, half_lse = more_refs
@@ -549,7 +577,7 @@ def build_kernel(
           pl.when(~whole)(lambda: store_partial(half_o.at[part, half], half_lse.at[part, half]))
         elif merged:
           part_o, part_lse = more_refs
-          store_partial(part_o.at[b, split], part_lse.at[b, split])
+          store_shares(part_o.at[b, split], part_lse.at[b, split])
           if compiled:
             cluster_sync()
           else:
