@@ -378,10 +378,16 @@ def test_tuned_entries_match_their_batches_alone():
         config = config_from_entries(entries, batch=batch, num_heads=heads, topk=2048)
         assert config == SparseMLADecodeConfig(**entry["config"]), (entry, batch)
   # Elsewhere the heuristic answers (it covers the SMs once): between entries
-  # (batch 5 at 64 heads), and at batches measured where its count was fastest.
-  assert config_from_entries(entries, batch=5, num_heads=64, topk=2048) is None
+  # (batch 12 at 64 heads), and at batches measured where its count was fastest.
+  assert config_from_entries(entries, batch=12, num_heads=64, topk=2048) is None
   assert config_from_entries(entries, batch=8, num_heads=32, topk=2048) is None
+  assert heuristic_config(batch=12, num_heads=64, topk=2048).num_splits == 8
+  # Half the heuristic's count, merged in clusters, where that was measured faster.
   assert heuristic_config(batch=5, num_heads=64, topk=2048).num_splits == 16
+  assert config_from_entries(entries, batch=5, num_heads=64, topk=2048).num_splits == 8
+  assert heuristic_config(batch=16, num_heads=64, topk=2048).num_splits == 8
+  config = config_from_entries(entries, batch=16, num_heads=64, topk=2048)
+  assert config.num_splits == 4 and merges_in_cluster(config, batch=16, num_heads=64)
   assert heuristic_config(batch=8, num_heads=128, topk=2048).num_splits == 8
   # Where an entry's count differs from the heuristic's, it is the entry's.
   assert config_from_entries(entries, batch=3, num_heads=64, topk=2048).num_splits == 16
