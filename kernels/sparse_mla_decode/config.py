@@ -94,7 +94,6 @@ class SparseMLADecodeConfig:
           f"{self.cluster_merge=} needs num_splits in {CLUSTER_SPLITS}, got {self.num_splits=}")
 
 
-
 def wave_fill_rows(
     *, batch: int, num_heads: int, topk: int, num_splits: int, num_sms: int = 132
 ) -> int:
