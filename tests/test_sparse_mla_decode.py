@@ -264,6 +264,83 @@ def test_rows_cut_in_halves(heads):
   assert (np.asarray(mul_out[2], np.float32) == 0).all()
 
 
+@pytest.mark.parametrize("heads, mode", [(64, "select"), (128, "multiply")])
+def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
+  """`half_rows` with `cluster_merge`: whole rows 0 and 1 as a cluster of two
+  CTAs that merge nothing, rows 2 and 3 cut in halves (of two tiles and
+  one), each a cluster that merges its halves. Row 2's first half holds no
+  valid index, row 3 none at all. The reference's result, the combine
+  path's within a bf16 rounding with the same LSE (the whole rows bit for
+  bit); NaN in slot 0 and in every slot no row indexes leaves "select"
+  bit-equal to clean memory, and "multiply" gives NaN exactly where the
+  reference does."""
+  q, cache, idx = _inputs(57, 4, heads, 192, invalid=0.2, dead_rows=(3,))
+  idx = idx.at[2, :128].set(-1)
+
+  def run(c, mode, merge, interpret=FAST):
+    config = SparseMLADecodeConfig(half_rows=2, cluster_merge=merge)
+    return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
+                             config=config)
+
+  # (The race detector at 64 heads: the halves' partials and the merge's loads
+  # are ordered by the cluster barrier alone.)
+  out, lse = run(cache, mode, True, interpret=INTERPRET if heads == 64 else FAST)
+  assert out.shape == (4, heads, 512) and out.dtype == q.dtype and lse.shape == (4, heads)
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  _check(out[:3], lse[:3], ref_out[:3], ref_lse[:3])
+  assert (np.asarray(out[3], np.float32) == 0).all() and (np.asarray(lse[3]) == -np.inf).all()
+  comb_out, comb_lse = run(cache, mode, False)
+  np.testing.assert_array_equal(np.asarray(out[:2], np.float32),
+                                np.asarray(comb_out[:2], np.float32))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(comb_out, np.float32),
+                             rtol=2**-7, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(comb_lse), rtol=1e-6, atol=1e-6)
+
+  used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
+  used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
+  used[0] = False
+  rows = cache.reshape(-1, 576)
+  poisoned = jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
+  if mode == "select":
+    sel_out, sel_lse = run(poisoned, "select", True)
+    np.testing.assert_array_equal(np.asarray(sel_out, np.float32), np.asarray(out, np.float32))
+    np.testing.assert_array_equal(np.asarray(sel_lse), np.asarray(lse))
+    return
+  ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
+  want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
+  np.testing.assert_array_equal(want, [True, True, True, False])
+  mul_out, _ = run(poisoned, "multiply", True)
+  np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
+  assert (np.asarray(mul_out[3], np.float32) == 0).all()
+
+
+def test_halves_merge_in_clusters_where_they_pair_up():
+  """`cluster_merge=None` with rows cut in halves: clusters of two wherever the
+  whole rows pair up and the result has whole head groups of rows; an
+  explicit `cluster_merge=True` elsewhere is a clear error."""
+  auto = SparseMLADecodeConfig()
+  for batch, heads in ((96, 128), (67, 128), (150, 64), (196, 64), (140, 16)):
+    cut = wave_fill_rows(batch=batch, num_heads=heads, topk=2048, num_splits=1)
+    assert cut and (batch - cut) % 2 == 0  # the automatic cut always pairs up
+    assert merges_in_cluster(auto, batch=batch, num_heads=heads, half_rows=cut) == (heads != 16)
+  assert merges_in_cluster(auto, batch=140, num_heads=16, half_rows=124, stage_out=False)
+  assert merges_in_cluster(auto, batch=140, num_heads=20, half_rows=124)  # padded to 64
+  assert not merges_in_cluster(auto, batch=97, num_heads=128, half_rows=36)  # 61 whole rows
+  assert not merges_in_cluster(auto, batch=96, num_heads=128, half_rows=0)
+  off = SparseMLADecodeConfig(cluster_merge=False)
+  assert not merges_in_cluster(off, batch=96, num_heads=128, half_rows=36)
+  forced = SparseMLADecodeConfig(cluster_merge=True)
+  for batch, heads, cut in ((97, 128, 36), (140, 16, 124), (96, 128, 0)):
+    with pytest.raises(ValueError, match="cluster_merge"):
+      merges_in_cluster(forced, batch=batch, num_heads=heads, half_rows=cut)
+  with pytest.raises(ValueError, match="cluster_merge"):
+    SparseMLADecodeConfig(half_rows=0, cluster_merge=True)
+  q, cache, idx = _inputs(0, 3, 64, 128)
+  with pytest.raises(ValueError, match="cluster_merge"):  # one whole row: no pair
+    sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=FAST,
+                      config=SparseMLADecodeConfig(half_rows=2, cluster_merge=True))
+
+
 def test_wave_fill_rows():
   """Rows are cut only where one CTA per row and head group overruns one wave
   by at most half of one, and then so that the CTAs make two whole waves."""
@@ -502,6 +579,23 @@ def test_compiled_kernel_with_rows_cut_in_halves_lowers_for_hopper(select, heads
       out_dtype=jnp.bfloat16, q_heads=heads, half_rows=2,
   )
   _assert_lowers(call, batch, heads, topk, select)
+
+
+@pytest.mark.parametrize("select, heads", [(True, 128), (False, 64)])
+def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select, heads):
+  """`half_rows` with `cluster_merge` on the compiled path: clusters of two,
+  and `barrier.cluster` met by the cut rows' clusters alone."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 4, 192
+  call = K.build_kernel(
+      batch=batch, heads_padded=heads, topk=topk, num_splits=1,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, half_rows=2, cluster_merge=True,
+  )
+  text = _assert_lowers(call, batch, heads, topk, select)
+  assert "barrier.cluster.arrive.release.aligned" in text
+  assert "gpu.cluster_block_id" in text
 
 
 @pytest.mark.parametrize(

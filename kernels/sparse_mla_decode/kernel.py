@@ -50,8 +50,10 @@ and row fill half of each 32-byte sector a warp store touches, which cost the
 kernel 4-5.5% at batch 128 on the H200. The f32 partials (two per thread and
 row: whole sectors) are stored from registers.
 
-With `cluster_merge`, a row's splits (n = 2, 4 or 8) are one cluster of CTAs
-that merge their partials themselves, so that no combine kernel follows.
+With `cluster_merge`, a row's splits (n = 2, 4 or 8), or a cut row's two
+halves (`half_rows`; the whole rows' CTAs then go in pairs that merge
+nothing), are one cluster of CTAs that merge their partials themselves, so
+that no combine kernel follows.
 Consumer w of CTA s merges piece s of its value half (channels
 `[256 w + s * 256 / n, + 256 / n)`) of all the splits: it stores the other
 pieces of its partial to GMEM for the CTAs that merge them and keeps piece s
@@ -217,11 +219,16 @@ def build_kernel(
   and lse `[batch, heads_padded]` f32; two more, o `[batch, num_splits,
   heads_padded, 512]` and lse `[batch, num_splits, heads_padded]` f32, are
   the partials the cluster exchanged (without each CTA's own pieces), of no
-  use to the caller.
+  use to the caller. With `half_rows` (an even number of whole rows, and the
+  result in whole head groups: `out_heads == heads_padded`) the clusters are
+  of two CTAs: two whole rows, which merge nothing, or a cut row's halves,
+  which merge each other's partials (exchanged through the two extra
+  outputs) and store the row's result; nothing is left unwritten.
   """
   assert topk % (TILE * num_splits) == 0
   assert half_rows == 0 or (num_splits == 1 and topk // TILE >= 2 and half_rows <= batch)
-  assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not half_rows)
+  assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not half_rows) or (
+      num_splits == 1 and half_rows and (batch - half_rows) % 2 == 0)
   check_choice("q_regs", q_regs, Q_REGS)
   num_tiles = topk // (TILE * num_splits)  # per split, static
   whole_rows = batch - half_rows
@@ -232,7 +239,10 @@ def build_kernel(
   bf16 = bf16_tile()
   direct = num_splits == 1  # no merge: the kernel writes the result
   merged = cluster_merge  # the cluster's CTAs merge their splits: the result too
-  merge_cols = HALF // num_splits  # value channels each consumer merges
+  # CTAs per cluster: a row's splits, or with half_rows two CTAs (two whole
+  # rows, or a cut row's halves).
+  cluster_size = (2 if half_rows else num_splits) if merged else 1
+  merge_cols = HALF // cluster_size  # value channels each consumer merges
   stage_out = stage_out and direct and out_dtype == jnp.bfloat16
   last_stage = (num_tiles - 1) % NUM_STAGES
   q_heads = heads_padded if q_heads is None else q_heads
@@ -240,6 +250,8 @@ def build_kernel(
   tail_heads = last_group_rows(q_heads, heads_padded)
   # Rows of the result: the real heads where the staged stores write them alone.
   out_heads = q_heads if stage_out else heads_padded
+  # The merge stores whole head groups' rows (`layout.store_head_rows`).
+  assert not merged or out_heads == heads_padded
 
   def sparse_mla_decode_kernel(
       q_ref,  # [batch, q_heads, 576] bf16, GMEM
@@ -262,7 +274,15 @@ def build_kernel(
     tok0 = split * (num_tiles * TILE)
     n_tiles = num_tiles  # this CTA's tiles: static, except with half_rows
     whole = True
-    if half_rows:
+    if half_rows and merged:
+      # Cluster b < whole_rows / 2: rows 2b and 2b + 1 whole, a CTA each; then
+      # one cluster per cut row, its halves.
+      pairs = whole_rows // 2
+      whole = b < pairs
+      half = split
+      part = jnp.maximum(b - pairs, 0)  # the cut row's index among the cut rows
+      b = jnp.where(whole, 2 * b + split, whole_rows + part)
+    elif half_rows:
       # CTA b < whole_rows: row b whole; then two CTAs per cut row, its halves.
       cut = b - whole_rows
       whole = cut < 0
@@ -270,6 +290,7 @@ def build_kernel(
       half = lax.rem(cut, 2)
       part = cut // 2  # the cut row's index among the cut rows
       b = jnp.where(whole, b, whole_rows + part)
+    if half_rows:
       tok0 = jnp.where(whole, 0, half * (first_half * TILE))
       n_tiles = jnp.where(whole, num_tiles, jnp.where(half == 0, first_half,
                                                       num_tiles - first_half))
@@ -421,7 +442,9 @@ def build_kernel(
           for i in range(max(num_tiles - NUM_STAGES, 0), num_tiles):
             plgpu.barrier_wait(free_bar.at[i % NUM_STAGES])
         if merged and compiled:
-          cluster_sync()  # every thread of the cluster arrives
+          # Every thread of the cluster arrives (a cluster of whole rows
+          # merges nothing and meets nowhere).
+          pl.when(~whole)(cluster_sync) if half_rows else cluster_sync()
 
       def consumer(wg: int):
         # `wg` is static: every SMEM slice below has a compile-time offset.
@@ -518,7 +541,7 @@ def build_kernel(
         def store_shares(o_dst, lse_dst):
           # Our partial for the cluster: every piece of our half but our own
           # CTA's, which stays in registers for `merge_cluster`, and the LSE.
-          for k in range(num_splits):
+          for k in range(cluster_size):
             pl.when(split != k)(lambda k=k: store_head_rows(
                 o_dst.at[heads, pl.ds(wg * HALF + k * merge_cols, merge_cols)], share(k), g,
                 head_groups=head_groups, tail_heads=tail_heads, compiled=compiled))
@@ -527,21 +550,23 @@ def build_kernel(
 
         def merge_cluster(part_o, part_lse):
           # Our CTA's piece of our half of the row's result, from every split's
-          # partial, as `combine_splits` merges them: ours from registers, the
-          # others' from GMEM (after `cluster_sync` or, in the interpreter, the
-          # cluster barrier, all are there).
+          # partial (the row's, part_o `[cluster_size, heads_padded, 512]` and
+          # part_lse `[cluster_size, heads_padded]`), as `combine_splits`
+          # merges them: ours from registers, the others' from GMEM (after
+          # `cluster_sync` or, in the interpreter, the cluster barrier, all
+          # are there).
           chans = pl.ds(wg * HALF + split * merge_cols, merge_cols)
           split_rows = plgpu.layout_cast(jnp.full((HEAD_TILE,), split, jnp.int32), row_layout)
           own = share(0)
-          for k in range(1, num_splits):
+          for k in range(1, cluster_size):
             pick = lax.broadcast_in_dim(split_rows == k, own.shape, [0])
             own = jnp.where(pick, share(k), own)
-          peers = [lax.rem(split + d, num_splits) for d in range(1, num_splits)]
+          peers = [lax.rem(split + d, cluster_size) for d in range(1, cluster_size)]
           lses = [lse * LOG2E] + [
-              plgpu.load(part_lse.at[b, j, heads], layout=row_layout, optimized=False) * LOG2E
+              plgpu.load(part_lse.at[j, heads], layout=row_layout, optimized=False) * LOG2E
               for j in peers]
           parts = [lambda: own] + [
-              lambda j=j: plgpu.load(part_o.at[b, j, heads, chans], layout=plgpu.Layout.WGMMA,
+              lambda j=j: plgpu.load(part_o.at[j, heads, chans], layout=plgpu.Layout.WGMMA,
                                      optimized=False)
               for j in peers]
           m = lses[0]
@@ -571,19 +596,27 @@ def build_kernel(
             def _():
               lse_ref[b, heads] = lse_row
 
-        if half_rows:
-          half_o, half_lse = more_refs
-          pl.when(whole)(store_result)
-          pl.when(~whole)(lambda: store_partial(half_o.at[part, half], half_lse.at[part, half]))
-        elif merged:
-          part_o, part_lse = more_refs
-          store_shares(part_o.at[b, split], part_lse.at[b, split])
+        def merge_in_cluster(part_o, part_lse):
+          # The row's partials, part_o `[cluster_size, heads_padded, 512]`
+          # and part_lse `[cluster_size, heads_padded]`: ours at `split`.
+          store_shares(part_o.at[split], part_lse.at[split])
           if compiled:
             cluster_sync()
           else:
             plgpu.barrier_arrive(cluster_bar)
             plgpu.barrier_wait(cluster_bar)
           merge_cluster(part_o, part_lse)
+
+        if half_rows:
+          half_o, half_lse = more_refs
+          pl.when(whole)(store_result)
+          if merged:
+            pl.when(~whole)(lambda: merge_in_cluster(half_o.at[part], half_lse.at[part]))
+          else:
+            pl.when(~whole)(lambda: store_partial(half_o.at[part, half], half_lse.at[part, half]))
+        elif merged:
+          part_o, part_lse = more_refs
+          merge_in_cluster(part_o.at[b], part_lse.at[b])
         elif direct:
           store_result()
         else:
@@ -633,18 +666,20 @@ def build_kernel(
   # explicit commit_smem or an mbarrier.
   result = (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
             jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
-  if merged:
+  if merged and not half_rows:
     out_type = (*result, *split_outputs(batch, num_splits, heads_padded))
   elif direct:
     out_type = (*result, *(split_outputs(half_rows, 2, heads_padded) if half_rows else ()))
   else:
     out_type = split_outputs(batch, num_splits, heads_padded)
+  # With cluster_merge the splits (or two CTAs: two whole rows, or a cut
+  # row's halves) are the cluster's axis, its CTAs side by side.
+  rows = (batch + half_rows) // 2 if merged and half_rows else batch + half_rows
   return launch(
       sparse_mla_decode_kernel,
-      # With cluster_merge the splits are the cluster's axis (its CTAs side by side).
-      grid=(batch + half_rows, *(() if merged else (num_splits,)), heads_padded // HEAD_TILE),
+      grid=(rows, *(() if merged else (num_splits,)), heads_padded // HEAD_TILE),
       grid_names=("b", *(() if merged else ("s",)), "g"),
-      cluster=(num_splits,) if merged else (),
+      cluster=(cluster_size,) if merged else (),
       cluster_names=("s",) if merged else (),
       out_type=out_type,
       kernel_name="jaxkv_sparse_mla_decode",

@@ -90,11 +90,14 @@ def sparse_mla_decode(
           f"{config.half_rows=} must be at most batch = {batch}, with topk = {topk} of at"
           f" least {2 * _kernel.TILE} indices (two halves of a tile or more)"
       )
-    cluster_merge = merges_in_cluster(config, batch=batch, num_heads=heads)
+    cluster_merge = merges_in_cluster(
+        config, batch=batch, num_heads=heads, half_rows=half_rows,
+        stage_out=config.stage_out and q.dtype == jnp.bfloat16)
     interpret = resolve_interpret(interpret)
     if interpret is not None:
-      # The interpreter runs all the CTAs of a cluster at once.
-      cluster = config.num_splits if cluster_merge else 1
+      # The interpreter runs all the CTAs of a cluster at once (a cut row's
+      # halves: two).
+      cluster = (2 if half_rows else config.num_splits) if cluster_merge else 1
       require_interpreter_threads(_kernel.NUM_THREADS * cluster, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
       return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
@@ -184,7 +187,7 @@ def _sparse_mla_decode(
       cluster_merge=cluster_merge,
   )
   o, lse, *more = call(qp, rows, indices)
-  if cluster_merge:  # the clusters merged the splits: [b, hp, 512], [b, hp]
+  if cluster_merge:  # the clusters merged the splits or halves: [b, heads or hp, 512], [b, ...]
     return real_heads(o, lse, heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
     out, lse = real_heads(o, lse, heads)
