@@ -20,10 +20,12 @@ head group), and compares its result bitwise with the unpadded one's.
 config, the NaN checks' included: "auto" (the default config's: cut rows
 where one CTA per row overruns a wave by at most half of one), "off" (0),
 or N rows (at most the batch). `--cluster-merge` times each variant with
-`SparseMLADecodeConfig.cluster_merge` set to each value (splits merged by
-the kernel's clusters, or by the combine kernel after it; the default: the
-config's), compares the two results (within a bf16 rounding of each
-other, NaN in the same places), and runs the NaN check with each, at 8 splits.
+`SparseMLADecodeConfig.cluster_merge` set to each value (splits, or the
+halves of cut rows, merged by the kernel's clusters, or by the combine kernel
+after it; the default: the config's), compares the two results (within a
+bf16 rounding of each other, NaN in the same places), and runs the NaN check
+with each, at 8 splits and with 10 of 16 rows cut in halves. (`--pad-heads`
+variants cut no rows.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from jaxkv.kernels.sparse_mla_decode import (
 from jaxkv.kernels.sparse_mla_decode.config import (
     CLUSTER_SPLITS,
     default_config,
+    halves_pair_up,
     merges_in_cluster,
     rows_to_cut,
 )
@@ -171,7 +174,10 @@ def main(argv=None) -> int:
     stage_out = [bool(v) for v in args.stage_out] if args.stage_out else [cfg.stage_out]
     pads = sorted({bool(v) for v in args.pad_heads})
     merges = [None]
-    if args.cluster_merge and cfg.num_splits in CLUSTER_SPLITS:
+    rows_cut = rows_to_cut(cfg, batch=batch, num_heads=heads, topk=topk)
+    pairs = halves_pair_up(batch=batch, num_heads=heads, half_rows=rows_cut,
+                           stage_out=cfg.stage_out)
+    if args.cluster_merge and (cfg.num_splits in CLUSTER_SPLITS or pairs):
       merges = [bool(v) for v in args.cluster_merge]
     variants = [(mode, qr, so, ph, cm) for so in stage_out for qr in q_regs
                 for mode in args.modes for ph in pads for cm in merges]
@@ -219,10 +225,9 @@ def main(argv=None) -> int:
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
-    rows_cut = rows_to_cut(cfg, batch=batch, num_heads=heads, topk=topk)
     print(f"b{batch} h{heads} topk{topk} inv{invalid}: {cfg.num_splits} splits,"
           f" {rows_cut} rows cut in halves, merge in clusters"
-          f" {merges_in_cluster(cfg, batch=batch, num_heads=heads)}, ceiling"
+          f" {merges_in_cluster(cfg, batch=batch, num_heads=heads, half_rows=rows_cut)}, ceiling"
           f" {kv_bytes / t_ceil / 1e12:.2f} TB/s, XLA reference {t_ref * 1e6:.0f} us", flush=True)
 
   # NaN in slot 0 and in rows no index selects: "select" stays clean,
@@ -235,14 +240,18 @@ def main(argv=None) -> int:
   base = _pallas_config(args.splits, 16, 64, half_rows=half_rows)
   checks = [(qr, bool(so), None) for qr in args.q_regs or [base.q_regs]
             for so in args.stage_out or [base.stage_out]]
-  checks += [(base.q_regs, False, bool(cm)) for cm in args.cluster_merge or []]
-  for qr, so, cm in checks:
+  checks = [(*c, False) for c in checks]
+  checks += [(base.q_regs, so, bool(cm), halves) for cm in args.cluster_merge or []
+             for so, halves in ((False, False), (True, True))]
+  for qr, so, cm, halves in checks:
     # (A staged result needs one split: the check then runs with one; a merge
-    # by clusters or not, with 8.)
-    splits = 8 if cm is not None else 1 if so else base.num_splits
+    # by clusters or not, with 8 splits, or with 10 of the 16 rows cut in
+    # halves, rows 6-7 (with -1s in their first halves) among them.)
+    splits = 1 if halves else 8 if cm is not None else 1 if so else base.num_splits
     cfg = dataclasses.replace(base, q_regs=qr, stage_out=so, num_splits=splits,
-                              cluster_merge=cm, half_rows=None if cm is not None else base.half_rows)
-    if half_rows and cfg.num_splits == 1:  # rows 6-7 (with -1s) among those cut at 10
+                              cluster_merge=cm,
+                              half_rows=10 if halves else None if cm is not None else base.half_rows)
+    if half_rows and cfg.num_splits == 1 and not halves:  # rows 6-7 (with -1s) among those cut at 10
       cfg = dataclasses.replace(cfg, half_rows=min(half_rows, 16))
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
     clean, _ = f(cache, "select")

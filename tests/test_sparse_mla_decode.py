@@ -439,9 +439,13 @@ def test_config_validation():
   # (The suite's runtime type checks answer first, with a TypeError.)
   with pytest.raises((TypeError, ValueError), match="stage_out"):
     SparseMLADecodeConfig(stage_out=1)
-  for splits in (1, 3, 16):
+  for splits in (3, 16):
     with pytest.raises(ValueError, match="cluster_merge"):
       SparseMLADecodeConfig(num_splits=splits, cluster_merge=True)
+  # One split merges in clusters only the halves of cut rows.
+  with pytest.raises(ValueError, match="cluster_merge"):
+    SparseMLADecodeConfig(num_splits=1, half_rows=0, cluster_merge=True)
+  SparseMLADecodeConfig(num_splits=1, cluster_merge=True)  # halves where the shape cuts rows
   with pytest.raises((TypeError, ValueError), match="cluster_merge"):
     SparseMLADecodeConfig(num_splits=2, cluster_merge=1)
 
