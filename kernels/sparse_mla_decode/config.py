@@ -67,7 +67,8 @@ class SparseMLADecodeConfig:
       x 64 heads from 25.2 to 22.1 µs, 64 x 64 from 57.1 to 53.1 and 32 x 128
       from 53.2 to 48.5 (6-12% at 8-64 x 64 and 24-32 x 128), and twice as
       long where clusters of 4 or 8 CTAs need more than `MAX_CLUSTER_CTAS`
-      SMs (NOTES.md).
+      SMs; the halves in clusters took 96 x 128 from 128.0 to 122.8 µs and
+      150 x 64 from 142.0 to 131.6 (3-8% at eight shapes; NOTES.md).
   """
 
   num_splits: int = 1
@@ -173,8 +174,9 @@ def merges_in_cluster(config: SparseMLADecodeConfig, *, batch: int, num_heads: i
                           stage_out=stage_out):
       raise ValueError(
           f"{config.cluster_merge=} with one split needs rows cut in halves beside an even"
-          f" number of whole rows (and, with a staged result, a multiple of 64 heads):"
-          f" got batch={batch}, half_rows={half_rows}, num_heads={num_heads}")
+          f" number of whole rows (and, with a staged result, heads in whole groups of 64"
+          f" or padded to them): got batch={batch}, half_rows={half_rows},"
+          f" num_heads={num_heads}")
   if config.cluster_merge is not None:
     return config.cluster_merge
   return cluster_merge_pays(batch=batch, num_heads=num_heads, num_splits=config.num_splits,
