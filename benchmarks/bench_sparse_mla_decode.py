@@ -175,8 +175,7 @@ def main(argv=None) -> int:
     pads = sorted({bool(v) for v in args.pad_heads})
     merges = [None]
     rows_cut = rows_to_cut(cfg, batch=batch, num_heads=heads, topk=topk)
-    pairs = halves_pair_up(batch=batch, num_heads=heads, half_rows=rows_cut,
-                           stage_out=cfg.stage_out)
+    pairs = halves_pair_up(batch=batch, half_rows=rows_cut)
     if args.cluster_merge and (cfg.num_splits in CLUSTER_SPLITS or pairs):
       merges = [bool(v) for v in args.cluster_merge]
     variants = [(mode, qr, so, ph, cm) for so in stage_out for qr in q_regs
@@ -242,11 +241,11 @@ def main(argv=None) -> int:
             for so in args.stage_out or [base.stage_out]]
   checks = [(*c, False) for c in checks]
   checks += [(base.q_regs, so, bool(cm), halves) for cm in args.cluster_merge or []
-             for so, halves in ((False, False), (True, True))]
+             for so, halves in ((False, False), (True, False), (True, True))]
   for qr, so, cm, halves in checks:
     # (A staged result needs one split: the check then runs with one; a merge
-    # by clusters or not, with 8 splits, or with 10 of the 16 rows cut in
-    # halves, rows 6-7 (with -1s in their first halves) among them.)
+    # by clusters or not, with 8 splits (staged or not), or with 10 of the 16
+    # rows cut in halves, rows 6-7 (with -1s in their first halves) among them.)
     splits = 1 if halves else 8 if cm is not None else 1 if so else base.num_splits
     cfg = dataclasses.replace(base, q_regs=qr, stage_out=so, num_splits=splits,
                               cluster_merge=cm,

@@ -264,7 +264,7 @@ def test_rows_cut_in_halves(heads):
   assert (np.asarray(mul_out[2], np.float32) == 0).all()
 
 
-@pytest.mark.parametrize("heads, mode", [(64, "select"), (128, "multiply")])
+@pytest.mark.parametrize("heads, mode", [(16, "select"), (128, "multiply")])
 def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
   """`half_rows` with `cluster_merge`: whole rows 0 and 1 as a cluster of two
   CTAs that merge nothing, rows 2 and 3 cut in halves (of two tiles and
@@ -273,7 +273,8 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
   path's within a bf16 rounding with the same LSE (the whole rows bit for
   bit); NaN in slot 0 and in every slot no row indexes leaves "select"
   bit-equal to clean memory, and "multiply" gives NaN exactly where the
-  reference does."""
+  reference does. (At 16 heads the merged pieces and the LSE are staged and
+  stored at the query's 16 rows alone.)"""
   q, cache, idx = _inputs(57, 4, heads, 192, invalid=0.2, dead_rows=(3,))
   idx = idx.at[2, :128].set(-1)
 
@@ -282,9 +283,9 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
     return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
                              config=config)
 
-  # (The race detector at 64 heads: the halves' partials and the merge's loads
+  # (The race detector at 16 heads: the halves' partials and the merge's loads
   # are ordered by the cluster barrier alone.)
-  out, lse = run(cache, mode, True, interpret=INTERPRET if heads == 64 else FAST)
+  out, lse = run(cache, mode, True, interpret=INTERPRET if heads == 16 else FAST)
   assert out.shape == (4, heads, 512) and out.dtype == q.dtype and lse.shape == (4, heads)
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
   _check(out[:3], lse[:3], ref_out[:3], ref_lse[:3])
@@ -316,21 +317,19 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
 
 def test_halves_merge_in_clusters_where_they_pair_up():
   """`cluster_merge=None` with rows cut in halves: clusters of two wherever the
-  whole rows pair up and the result has whole head groups of rows; an
-  explicit `cluster_merge=True` elsewhere is a clear error."""
+  whole rows pair up; an explicit `cluster_merge=True` elsewhere is a clear
+  error."""
   auto = SparseMLADecodeConfig()
-  for batch, heads in ((96, 128), (67, 128), (150, 64), (196, 64), (140, 16)):
+  for batch, heads in ((96, 128), (67, 128), (150, 64), (196, 64), (140, 16), (150, 24)):
     cut = wave_fill_rows(batch=batch, num_heads=heads, topk=2048, num_splits=1)
     assert cut and (batch - cut) % 2 == 0  # the automatic cut always pairs up
-    assert merges_in_cluster(auto, batch=batch, num_heads=heads, half_rows=cut) == (heads != 16)
-  assert merges_in_cluster(auto, batch=140, num_heads=16, half_rows=124, stage_out=False)
-  assert merges_in_cluster(auto, batch=140, num_heads=20, half_rows=124)  # padded to 64
+    assert merges_in_cluster(auto, batch=batch, num_heads=heads, half_rows=cut)
   assert not merges_in_cluster(auto, batch=97, num_heads=128, half_rows=36)  # 61 whole rows
   assert not merges_in_cluster(auto, batch=96, num_heads=128, half_rows=0)
   off = SparseMLADecodeConfig(cluster_merge=False)
   assert not merges_in_cluster(off, batch=96, num_heads=128, half_rows=36)
   forced = SparseMLADecodeConfig(cluster_merge=True)
-  for batch, heads, cut in ((97, 128, 36), (140, 16, 124), (96, 128, 0)):
+  for batch, heads, cut in ((97, 128, 36), (96, 128, 0)):
     with pytest.raises(ValueError, match="cluster_merge"):
       merges_in_cluster(forced, batch=batch, num_heads=heads, half_rows=cut)
   with pytest.raises(ValueError, match="cluster_merge"):
@@ -585,15 +584,16 @@ def test_compiled_kernel_with_rows_cut_in_halves_lowers_for_hopper(select, heads
   _assert_lowers(call, batch, heads, topk, select)
 
 
-@pytest.mark.parametrize("select, heads", [(True, 128), (False, 64)])
+@pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
 def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select, heads):
   """`half_rows` with `cluster_merge` on the compiled path: clusters of two,
-  and `barrier.cluster` met by the cut rows' clusters alone."""
+  `barrier.cluster` met by the cut rows' clusters alone, and the merged
+  pieces staged in the KV ring's bytes (at 16 heads the real rows alone)."""
   from jaxkv.kernels.sparse_mla_decode import kernel as K
 
   batch, topk = 4, 192
   call = K.build_kernel(
-      batch=batch, heads_padded=heads, topk=topk, num_splits=1,
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
       out_dtype=jnp.bfloat16, q_heads=heads, half_rows=2, cluster_merge=True,
   )
@@ -603,16 +603,18 @@ def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select
 
 
 @pytest.mark.parametrize(
-    "heads, stage_out, pad, cut",
-    [(16, True, False, False), (96, True, False, False), (16, False, False, True),
-     (20, True, True, True)],
+    "heads, stage_out, pad, cut, splits",
+    [(16, True, False, False, 1), (96, True, False, False, 1), (16, False, False, True, 1),
+     (20, True, True, True, 1), (16, True, False, False, 2), (40, False, False, True, 2)],
 )
-def test_heads_below_a_head_group_need_no_pad_or_slice(heads, stage_out, pad, cut):
-  """One split with a staged result at a multiple of 8 heads is the kernel
-  alone: no XLA pad of q, no slice of the result; the direct stores write
-  whole head groups (sliced), and other head counts are padded."""
-  q, cache, idx = _inputs(3, 2, heads, 64)
-  config = SparseMLADecodeConfig(num_splits=1, stage_out=stage_out)
+def test_heads_below_a_head_group_need_no_pad_or_slice(heads, stage_out, pad, cut, splits):
+  """One split, or splits merged in clusters, with a staged result at a
+  multiple of 8 heads is the kernel alone: no XLA pad of q, no slice of the
+  result; the direct stores write whole head groups (sliced), and other
+  head counts are padded."""
+  q, cache, idx = _inputs(3, 2, heads, 64 * splits)
+  config = SparseMLADecodeConfig(num_splits=splits, stage_out=stage_out,
+                                 cluster_merge=True if splits > 1 else None)
   jaxpr = jax.make_jaxpr(lambda q: sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, interpret=FAST, config=config))(q)
   (call,) = [e for e in jaxpr.eqns if "jaxpr" in e.params]

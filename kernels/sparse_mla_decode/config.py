@@ -7,7 +7,6 @@ from typing import Any
 
 from jaxkv.kernels._common import device_kind, load_tuning
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
-from jaxkv.kernels.mla_decode.layout import query_rows
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
@@ -46,7 +45,10 @@ class SparseMLADecodeConfig:
     stage_out: with one split and a bf16 result, the result goes out through
       SMEM by TMA (whole 64-byte rows) instead of from registers: 4-6% faster
       on the H200 at batch 128 (topk 2048, 2026-12-02: 128 heads 160.0 ->
-      151.6 µs, 64 heads 91.9 -> 88.0; NOTES.md).
+      151.6 µs, 64 heads 91.9 -> 88.0; NOTES.md). The same for the bf16
+      result of a merge in clusters (`cluster_merge`), each CTA's piece of
+      it; a staged result holds the query's own heads, a multiple of 8
+      (no XLA slice after the kernel).
     half_rows: with one split, how many of the batch's last rows are cut in
       two halves of their top-k list, a CTA each, merged by log-sum-exp
       afterwards, while the other rows keep one CTA per head group. None:
@@ -61,8 +63,7 @@ class SparseMLADecodeConfig:
       kernel after the decode kernel. With one split and rows cut in halves
       (`half_rows`), the same for each cut row's two halves (a cluster of
       two; the whole rows' CTAs are paired in clusters too, and merge
-      nothing): it needs an even number of whole rows and, with a staged
-      result (`stage_out`), whole head groups (`halves_pair_up`). None:
+      nothing): it needs an even number of whole rows (`halves_pair_up`). None:
       `cluster_merge_pays`. On the H200 (top-k 2048, 2026-12-04) it took 14
       x 64 heads from 25.2 to 22.1 µs, 64 x 64 from 57.1 to 53.1 and 32 x 128
       from 53.2 to 48.5 (6-12% at 8-64 x 64 and 24-32 x 128), and twice as
@@ -134,53 +135,42 @@ def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int, to
                         num_splits=config.num_splits)
 
 
-def halves_pair_up(*, batch: int, num_heads: int, half_rows: int, stage_out: bool) -> bool:
+def halves_pair_up(*, batch: int, half_rows: int) -> bool:
   """Whether rows cut in halves can merge them in clusters of two CTAs: the
-  whole rows' CTAs pair up (an even count of them), and the result has whole
-  head groups of rows: the query's heads fill them (a multiple of 64, or
-  padded to one), or the result is not staged (`stage_out`: a staged result
-  holds the query's own heads alone, and the merge's stores from registers
-  write whole warps' rows)."""
-  if not half_rows or (batch - half_rows) % 2:
-    return False
-  return not stage_out or query_rows(num_heads) % 64 == 0
+  whole rows' CTAs pair up (an even count of them; always so for
+  `wave_fill_rows`)."""
+  return half_rows > 0 and (batch - half_rows) % 2 == 0
 
 
-def cluster_merge_pays(*, batch: int, num_heads: int, num_splits: int, half_rows: int = 0,
-                       stage_out: bool = True) -> bool:
+def cluster_merge_pays(*, batch: int, num_heads: int, num_splits: int,
+                       half_rows: int = 0) -> bool:
   """Whether a row's splits merge in the kernel's clusters
   (`SparseMLADecodeConfig.cluster_merge=None`): at 2 splits, and at 4 or 8
   where the launch's CTAs stay within `MAX_CLUSTER_CTAS` (clusters of 2 ran
   128 CTAs in one wave on the H200); with one split, the halves of cut rows
   wherever `halves_pair_up`."""
   if num_splits == 1:
-    return halves_pair_up(batch=batch, num_heads=num_heads, half_rows=half_rows,
-                          stage_out=stage_out)
+    return halves_pair_up(batch=batch, half_rows=half_rows)
   ctas = batch * -(-num_heads // 64) * num_splits
   return num_splits == 2 or (num_splits in (4, 8) and ctas <= MAX_CLUSTER_CTAS)
 
 
 def merges_in_cluster(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
-                      half_rows: int = 0, stage_out: bool | None = None) -> bool:
+                      half_rows: int = 0) -> bool:
   """`config.cluster_merge`, or where it is None, `cluster_merge_pays` for this shape.
 
-  `half_rows`: the rows this call cuts in halves (`rows_to_cut`); `stage_out`:
-  whether its result goes out staged (default `config.stage_out`). Raises
+  `half_rows`: the rows this call cuts in halves (`rows_to_cut`). Raises
   ValueError where `cluster_merge=True` asks for halves that cannot pair up.
   """
-  stage_out = config.stage_out if stage_out is None else stage_out
   if config.num_splits == 1 and config.cluster_merge:
-    if not halves_pair_up(batch=batch, num_heads=num_heads, half_rows=half_rows,
-                          stage_out=stage_out):
+    if not halves_pair_up(batch=batch, half_rows=half_rows):
       raise ValueError(
           f"{config.cluster_merge=} with one split needs rows cut in halves beside an even"
-          f" number of whole rows (and, with a staged result, heads in whole groups of 64"
-          f" or padded to them): got batch={batch}, half_rows={half_rows},"
-          f" num_heads={num_heads}")
+          f" number of whole rows: got batch={batch}, half_rows={half_rows}")
   if config.cluster_merge is not None:
     return config.cluster_merge
   return cluster_merge_pays(batch=batch, num_heads=num_heads, num_splits=config.num_splits,
-                            half_rows=half_rows, stage_out=stage_out)
+                            half_rows=half_rows)
 
 
 def heuristic_config(

@@ -189,7 +189,10 @@ def build_kernel(
   half of the result into its value half of the last tile's stage (free by
   then: both QKs and its own PV read it before) and stores it by TMA, in
   whole 64-byte rows, instead of from registers (two bf16 per thread and
-  row: 16 of a 32-byte sector per warp store).
+  row: 16 of a 32-byte sector per warp store). With `cluster_merge` and a
+  bf16 result, the merged pieces go out the same way, through a buffer in
+  the KV ring's bytes (a `RefUnion`: the ring is dead after the cluster's
+  barrier).
 
   `q_heads`: the query's own heads (q `[batch, q_heads, 576]`), fewer than
   `heads_padded` and a multiple of 8, as in dense decode
@@ -214,16 +217,16 @@ def build_kernel(
   `cluster_merge` (with `num_splits` in `CLUSTER_SPLITS`): the splits of a
   row and head group are one cluster, which merges them in the kernel
   (module docstring). The first two outputs are then the result, o `[batch,
-  heads_padded, 512]` in `out_dtype` (each CTA stores its channels from
-  registers; the last head group's real rows, whole warps' rows, alone)
-  and lse `[batch, heads_padded]` f32; two more, o `[batch, num_splits,
-  heads_padded, 512]` and lse `[batch, num_splits, heads_padded]` f32, are
-  the partials the cluster exchanged (without each CTA's own pieces), of no
-  use to the caller. With `half_rows` (an even number of whole rows, and the
-  result in whole head groups: `out_heads == heads_padded`) the clusters are
-  of two CTAs: two whole rows, which merge nothing, or a cut row's halves,
-  which merge each other's partials (exchanged through the two extra
-  outputs) and store the row's result; nothing is left unwritten.
+  out_heads, 512]` in `out_dtype` (each CTA stores its channels: staged, at
+  the query's own heads, or from registers, in whole head groups, the last
+  one's real rows alone) and lse `[batch, out_heads]` f32; two more, o
+  `[batch, num_splits, heads_padded, 512]` and lse `[batch, num_splits,
+  heads_padded]` f32, are the partials the cluster exchanged (without each
+  CTA's own pieces), of no use to the caller. With `half_rows` (an even
+  number of whole rows) the clusters are of two CTAs: two whole rows, which
+  merge nothing, or a cut row's halves, which merge each other's partials
+  (exchanged through the two extra outputs) and store the row's result;
+  nothing is left unwritten.
   """
   assert topk % (TILE * num_splits) == 0
   assert half_rows == 0 or (num_splits == 1 and topk // TILE >= 2 and half_rows <= batch)
@@ -243,15 +246,15 @@ def build_kernel(
   # rows, or a cut row's halves).
   cluster_size = (2 if half_rows else num_splits) if merged else 1
   merge_cols = HALF // cluster_size  # value channels each consumer merges
-  stage_out = stage_out and direct and out_dtype == jnp.bfloat16
+  staged = stage_out and out_dtype == jnp.bfloat16
+  stage_out = staged and direct  # the kernel's own result of a whole row, staged
+  stage_merged = staged and merged  # the result of a cluster's merge, staged
   last_stage = (num_tiles - 1) % NUM_STAGES
   q_heads = heads_padded if q_heads is None else q_heads
   head_groups = heads_padded // HEAD_TILE
   tail_heads = last_group_rows(q_heads, heads_padded)
   # Rows of the result: the real heads where the staged stores write them alone.
-  out_heads = q_heads if stage_out else heads_padded
-  # The merge stores whole head groups' rows (`layout.store_head_rows`).
-  assert not merged or out_heads == heads_padded
+  out_heads = q_heads if stage_out or stage_merged else heads_padded
 
   def sparse_mla_decode_kernel(
       q_ref,  # [batch, q_heads, 576] bf16, GMEM
@@ -315,8 +318,15 @@ def build_kernel(
       # interpreter keeps it in its own buffer.
       if merged and not compiled:
         *extra_refs, cluster_bar = extra_refs
-      if tail_heads < HEAD_TILE and stage_out:
+      if tail_heads < HEAD_TILE and out_heads < heads_padded:
         *extra_refs, lse_stage = extra_refs
+      if stage_merged and compiled:
+        # [2, 64, 512 / cluster_size] bf16: each consumer's piece of the
+        # merged result, in the KV ring's bytes (dead after the cluster's
+        # barrier).
+        k_lat, merge_stage = k_lat
+      elif stage_merged:
+        *extra_refs, merge_stage = extra_refs
       if compiled:
         landed, *rest = extra_refs
         scratch = rest[0] if rest else None
@@ -588,13 +598,42 @@ def build_kernel(
             l = l + w
           res, lse_row = softmax_finish(acc, m, l)
           res = jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0)
-          store_head_rows(o_ref.at[b, heads, chans], res.astype(out_dtype), g,
-                          head_groups=head_groups, tail_heads=tail_heads, compiled=compiled)
-          if wg == 0:
+          res = res.astype(out_dtype)
 
-            @pl.when(split == 0)
-            def _():
-              lse_ref[b, heads] = lse_row
+          def store_lse(rows=heads, staged=False):
+            # The row's LSE, once per cluster (CTA 0's first consumer).
+            def store():
+              if staged:  # the last head group's real rows alone
+                real = pl.ds(0, tail_heads)
+                stage_store(lse_stage, lse_row, lse_ref.at[b, rows], src=lse_stage.at[real])
+              else:
+                lse_ref[b, rows] = lse_row
+
+            if wg == 0:
+              pl.when(split == 0)(store)
+
+          if not stage_merged:
+            store_head_rows(o_ref.at[b, heads, chans], res, g, head_groups=head_groups,
+                            tail_heads=tail_heads, compiled=compiled)
+            store_lse()
+            return
+          # Through SMEM by TMA, as a whole row's staged result: whole rows
+          # (bf16 from registers would fill half of each sector a warp store
+          # touches), and the last head group's real rows alone.
+          piece = merge_stage.at[wg]
+
+          def store_whole():
+            stage_store(piece, res, o_ref.at[b, heads, chans])
+            store_lse()
+
+          def store_tail():
+            rows, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
+            stage_store(piece, res, o_ref.at[b, rows, chans], src=piece.at[real])
+            store_lse(rows, staged=True)
+
+          by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
+                        whole=store_whole, tail=store_tail)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def merge_in_cluster(part_o, part_lse):
           # The row's partials, part_o `[cluster_size, heads_padded, 512]`
@@ -625,6 +664,7 @@ def build_kernel(
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
 
+    k_lat = plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16)
     if compiled:
       extra = [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
@@ -638,7 +678,14 @@ def build_kernel(
           plgpu.Barrier(num_arrivals=3 * TILE + 1, num_barriers=NUM_STAGES),
           seesaw_p_scratch(),
       ]
-    if tail_heads < HEAD_TILE and stage_out:
+    # Each consumer's piece of a cluster's merged result, staged for TMA.
+    merge_stage = plgpu.SMEM((2, HEAD_TILE, merge_cols), dtype,
+                             transforms=bf16_tile(min(128, 2 * merge_cols)))
+    if stage_merged and not compiled:
+      # (Its own buffer: the interpreter's race detector takes a `RefUnion` for
+      # one buffer, whose writes and earlier reads it would report.)
+      extra.append(merge_stage)
+    if tail_heads < HEAD_TILE and out_heads < heads_padded:
       extra.append(plgpu.SMEM((HEAD_TILE,), jnp.float32))  # the last group's LSE
     if merged and not compiled:
       # The interpreter has no `barrier.cluster`: each consumer arrives on
@@ -647,7 +694,7 @@ def build_kernel(
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
-        plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16),
+        plgpu.RefUnion(k_lat, merge_stage) if stage_merged and compiled else k_lat,
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
         plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
         plgpu.SMEM((2, HEAD_TILE), jnp.float32),

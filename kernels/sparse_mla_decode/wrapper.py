@@ -90,9 +90,7 @@ def sparse_mla_decode(
           f"{config.half_rows=} must be at most batch = {batch}, with topk = {topk} of at"
           f" least {2 * _kernel.TILE} indices (two halves of a tile or more)"
       )
-    cluster_merge = merges_in_cluster(
-        config, batch=batch, num_heads=heads, half_rows=half_rows,
-        stage_out=config.stage_out and q.dtype == jnp.bfloat16)
+    cluster_merge = merges_in_cluster(config, batch=batch, num_heads=heads, half_rows=half_rows)
     interpret = resolve_interpret(interpret)
     if interpret is not None:
       # The interpreter runs all the CTAs of a cluster at once (a cut row's
