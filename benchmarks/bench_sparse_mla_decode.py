@@ -202,16 +202,16 @@ def main(argv=None) -> int:
           print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
                 f" agree: {close}", flush=True)
           good &= close
-      first_merge = cm is merges[0]  # the comparisons below take one merge's variants
-      if first_merge:
-        outs[mode, qr, so, ph] = (np.asarray(out, np.float32), np.asarray(lse))
-      if first_merge and so and not ph and (mode, qr, False, False) in outs:
-        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph], outs[mode, qr, False, ph]))
-        print(f"b{batch} h{heads} {mode} q_regs {qr}: staged result bit-equal to direct"
-              f" stores: {same}", flush=True)
+      outs[mode, qr, so, ph, cm] = (np.asarray(out, np.float32), np.asarray(lse))
+      if so and not ph and (mode, qr, False, False, cm) in outs:
+        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm],
+                                                   outs[mode, qr, False, ph, cm]))
+        print(f"b{batch} h{heads} {mode} q_regs {qr} cluster merge {cm}: staged result"
+              f" bit-equal to direct stores: {same}", flush=True)
         good &= same
-      if first_merge and ph:
-        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph], outs[mode, qr, so, False]))
+      if ph:
+        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm],
+                                                   outs[mode, qr, so, False, cm]))
         print(f"b{batch} h{heads} {mode} q_regs {qr} stage_out {so}: padded query's result"
               f" bit-equal to the unpadded one's: {same}", flush=True)
         good &= same

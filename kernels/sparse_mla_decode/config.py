@@ -68,8 +68,9 @@ class SparseMLADecodeConfig:
       x 64 heads from 25.2 to 22.1 µs, 64 x 64 from 57.1 to 53.1 and 32 x 128
       from 53.2 to 48.5 (6-12% at 8-64 x 64 and 24-32 x 128), and twice as
       long where clusters of 4 or 8 CTAs need more than `MAX_CLUSTER_CTAS`
-      SMs; the halves in clusters took 96 x 128 from 128.0 to 122.8 µs and
-      150 x 64 from 142.0 to 131.6 (3-8% at eight shapes; NOTES.md).
+      SMs; the halves in clusters took 96 x 128 from 127.8 to 118.6 µs (its
+      merge's result staged, `stage_out`) and 150 x 64 from 142.0 to 131.6
+      (3-9% at nine shapes; NOTES.md).
   """
 
   num_splits: int = 1
