@@ -454,7 +454,10 @@ def build_kernel(
         if merged and compiled:
           # Every thread of the cluster arrives (a cluster of whole rows
           # merges nothing and meets nowhere).
-          pl.when(~whole)(cluster_sync) if half_rows else cluster_sync()
+          if half_rows:
+            pl.when(~whole)(cluster_sync)
+          else:
+            cluster_sync()
 
       def consumer(wg: int):
         # `wg` is static: every SMEM slice below has a compile-time offset.
@@ -664,7 +667,7 @@ def build_kernel(
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
 
-    k_lat = plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16)
+    ring = plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16)  # k_lat
     if compiled:
       extra = [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
@@ -694,7 +697,7 @@ def build_kernel(
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
-        plgpu.RefUnion(k_lat, merge_stage) if stage_merged and compiled else k_lat,
+        plgpu.RefUnion(ring, merge_stage) if stage_merged and compiled else ring,
         plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
         plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
         plgpu.SMEM((2, HEAD_TILE), jnp.float32),
