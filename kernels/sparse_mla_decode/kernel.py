@@ -52,15 +52,8 @@ row: whole sectors) are stored from registers.
 
 With `cluster_merge`, a row's splits (n = 2, 4 or 8), or a cut row's two
 halves (`half_rows`; the whole rows' CTAs then go in pairs that merge
-nothing), are one cluster of CTAs that merge their partials themselves, so
-that no combine kernel follows.
-Consumer w of CTA s merges piece s of its value half (channels
-`[256 w + s * 256 / n, + 256 / n)`) of all the splits: it stores the other
-pieces of its partial to GMEM for the CTAs that merge them and keeps piece s
-in registers; the cluster meets at a barrier (`barrier.cluster`, release and
-acquire at cluster scope, so the stores are visible to every CTA of the
-cluster after it); then it reads piece s of the other splits back from L2,
-merges, and stores the result's piece.
+nothing), are one cluster of CTAs that merge their partials themselves
+(`cluster.merge_row`), so that no combine kernel follows.
 """
 
 from __future__ import annotations
@@ -72,8 +65,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import llvm
 
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 from jaxkv.kernels.mla_decode.layout import (
@@ -108,6 +99,7 @@ from jaxkv.kernels.mla_decode.seesaw import (
     softmax_start,
     tile_scores,
 )
+from jaxkv.kernels.sparse_mla_decode.cluster import cluster_sync, merge_row
 from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
     FIRST_INVALID_SCRATCH,
@@ -133,24 +125,6 @@ CONSUMER_REGS = 232
 # The running maximum's start: finite and below any score (|q.k| * scale is
 # far smaller), so that masked scores (-inf) give exp2(-inf - M_FLOOR) = 0.
 M_FLOOR = -1e30
-
-
-def cluster_sync() -> None:
-  """Every thread of the cluster's CTAs meets here (`barrier.cluster` arrive
-  with release, wait with acquire, both at cluster scope): each thread's
-  stores before it, to GMEM too, are visible to every thread of the cluster
-  after it. All three warpgroups of every CTA must call it once (a thread
-  that has exited is not waited for)."""
-
-  @plgpu.inline_mgpu()
-  def _sync(_ctx):
-    llvm.inline_asm(
-        ir.Type.parse("!llvm.void"), [],
-        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-        "", has_side_effects=True,
-    )
-
-  _sync()
 
 
 def build_kernel(
@@ -318,6 +292,7 @@ def build_kernel(
       # interpreter keeps it in its own buffer.
       if merged and not compiled:
         *extra_refs, cluster_bar = extra_refs
+      lse_stage = None
       if tail_heads < HEAD_TILE and out_heads < heads_padded:
         *extra_refs, lse_stage = extra_refs
       if stage_merged and compiled:
@@ -547,107 +522,15 @@ def build_kernel(
           if wg == 0:
             lse_dst[heads] = lse
 
-        def share(k):
-          # Piece k of our value half: the channels CTA k of the cluster merges.
-          return o[:, k * merge_cols:(k + 1) * merge_cols]
-
-        def store_shares(o_dst, lse_dst):
-          # Our partial for the cluster: every piece of our half but our own
-          # CTA's, which stays in registers for `merge_cluster`, and the LSE.
-          for k in range(cluster_size):
-            pl.when(split != k)(lambda k=k: store_head_rows(
-                o_dst.at[heads, pl.ds(wg * HALF + k * merge_cols, merge_cols)], share(k), g,
-                head_groups=head_groups, tail_heads=tail_heads, compiled=compiled))
-          if wg == 0:
-            lse_dst[heads] = lse
-
-        def merge_cluster(part_o, part_lse):
-          # Our CTA's piece of our half of the row's result, from every split's
-          # partial (the row's, part_o `[cluster_size, heads_padded, 512]` and
-          # part_lse `[cluster_size, heads_padded]`), as `combine_splits`
-          # merges them: ours from registers, the others' from GMEM (after
-          # `cluster_sync` or, in the interpreter, the cluster barrier, all
-          # are there).
-          chans = pl.ds(wg * HALF + split * merge_cols, merge_cols)
-          split_rows = plgpu.layout_cast(jnp.full((HEAD_TILE,), split, jnp.int32), row_layout)
-          own = share(0)
-          for k in range(1, cluster_size):
-            pick = lax.broadcast_in_dim(split_rows == k, own.shape, [0])
-            own = jnp.where(pick, share(k), own)
-          peers = [lax.rem(split + d, cluster_size) for d in range(1, cluster_size)]
-          lses = [lse * LOG2E] + [
-              plgpu.load(part_lse.at[j, heads], layout=row_layout, optimized=False) * LOG2E
-              for j in peers]
-          parts = [lambda: own] + [
-              lambda j=j: plgpu.load(part_o.at[j, heads, chans], layout=plgpu.Layout.WGMMA,
-                                     optimized=False)
-              for j in peers]
-          m = lses[0]
-          for lse_j in lses[1:]:
-            m = jnp.maximum(m, lse_j)
-          # No live split: m is -inf, every weight is selected to 0, l stays 0.
-          m_ref = jnp.where(m == -jnp.inf, 0.0, m)
-          acc, _, l = softmax_start(merge_cols)
-          for lse_j, part in zip(lses, parts):
-            live = lse_j > -jnp.inf
-            w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
-            o_j = part()
-            keep = lax.broadcast_in_dim(live, o_j.shape, [0])
-            if not select:
-              # A split of masked slots alone that met NaN in "multiply" poisons
-              # the row, as the production merge's weight-0 product does.
-              keep = keep | jnp.isnan(o_j)
-            acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
-            l = l + w
-          res, lse_row = softmax_finish(acc, m, l)
-          res = jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0)
-          res = res.astype(out_dtype)
-
-          def store_lse(rows=heads, staged=False):
-            # The row's LSE, once per cluster (CTA 0's first consumer).
-            def store():
-              if staged:  # the last head group's real rows alone
-                real = pl.ds(0, tail_heads)
-                stage_store(lse_stage, lse_row, lse_ref.at[b, rows], src=lse_stage.at[real])
-              else:
-                lse_ref[b, rows] = lse_row
-
-            if wg == 0:
-              pl.when(split == 0)(store)
-
-          if not stage_merged:
-            store_head_rows(o_ref.at[b, heads, chans], res, g, head_groups=head_groups,
-                            tail_heads=tail_heads, compiled=compiled)
-            store_lse()
-            return
-          # Through SMEM by TMA, as a whole row's staged result: whole rows
-          # (bf16 from registers would fill half of each sector a warp store
-          # touches), and the last head group's real rows alone.
-          piece = merge_stage.at[wg]
-
-          def store_whole():
-            stage_store(piece, res, o_ref.at[b, heads, chans])
-            store_lse()
-
-          def store_tail():
-            rows, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
-            stage_store(piece, res, o_ref.at[b, rows, chans], src=piece.at[real])
-            store_lse(rows, staged=True)
-
-          by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
-                        whole=store_whole, tail=store_tail)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
         def merge_in_cluster(part_o, part_lse):
           # The row's partials, part_o `[cluster_size, heads_padded, 512]`
           # and part_lse `[cluster_size, heads_padded]`: ours at `split`.
-          store_shares(part_o.at[split], part_lse.at[split])
-          if compiled:
-            cluster_sync()
-          else:
-            plgpu.barrier_arrive(cluster_bar)
-            plgpu.barrier_wait(cluster_bar)
-          merge_cluster(part_o, part_lse)
+          merge_row(
+              o, lse, part_o, part_lse, o_ref.at[b], lse_ref.at[b], wg=wg, split=split, g=g,
+              cluster_size=cluster_size, head_groups=head_groups, tail_heads=tail_heads,
+              select=select, out_dtype=out_dtype,
+              cluster_bar=None if compiled else cluster_bar,
+              stage_ref=merge_stage.at[wg] if stage_merged else None, lse_stage_ref=lse_stage)
 
         if half_rows:
           half_o, half_lse = more_refs
