@@ -180,7 +180,7 @@ def main(argv=None) -> int:
       merges = [bool(v) for v in args.cluster_merge]
     variants = [(mode, qr, so, ph, cm) for so in stage_out for qr in q_regs
                 for mode in args.modes for ph in pads for cm in merges]
-    outs, merged = {}, {}
+    outs = {}
     for mode, qr, so, ph, cm in variants:
       vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm)
       if ph:
@@ -194,15 +194,12 @@ def main(argv=None) -> int:
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
-      if cm is not None:
-        merged[mode, qr, so, ph, cm] = (np.asarray(out, np.float32), np.asarray(lse))
-        other = merged.get((mode, qr, so, ph, not cm))
-        if other is not None:
-          close = _same_result(merged[mode, qr, so, ph, cm], other)
-          print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
-                f" agree: {close}", flush=True)
-          good &= close
       outs[mode, qr, so, ph, cm] = (np.asarray(out, np.float32), np.asarray(lse))
+      if cm is not None and (mode, qr, so, ph, not cm) in outs:
+        close = _same_result(outs[mode, qr, so, ph, cm], outs[mode, qr, so, ph, not cm])
+        print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
+              f" agree: {close}", flush=True)
+        good &= close
       if so and not ph and (mode, qr, False, False, cm) in outs:
         same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm],
                                                    outs[mode, qr, False, ph, cm]))
@@ -237,9 +234,8 @@ def main(argv=None) -> int:
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
   base = _pallas_config(args.splits, 16, 64, half_rows=half_rows)
-  checks = [(qr, bool(so), None) for qr in args.q_regs or [base.q_regs]
+  checks = [(qr, bool(so), None, False) for qr in args.q_regs or [base.q_regs]
             for so in args.stage_out or [base.stage_out]]
-  checks = [(*c, False) for c in checks]
   checks += [(base.q_regs, so, bool(cm), halves) for cm in args.cluster_merge or []
              for so, halves in ((False, False), (True, False), (True, True))]
   for qr, so, cm, halves in checks:

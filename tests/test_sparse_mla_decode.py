@@ -47,6 +47,15 @@ def _inputs(seed, batch, heads, topk, *, invalid=0.3, dup=False, dead_rows=()):
   return q, cache, idx
 
 
+def _poison_unselected(cache, idx):
+  """The cache with NaN in slot 0 (the null block) and in every slot no index selects."""
+  used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
+  used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
+  used[0] = False
+  rows = cache.reshape(-1, 576)
+  return jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
+
+
 def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0, stage_out=True,
          cluster_merge=None):
   return sparse_mla_decode(
@@ -130,11 +139,7 @@ def test_nan_poisoning():
   # Rows 1, 2 and 4 hold a -1, row 0 none; row 4's second split (of two) is all -1.
   idx = idx.at[1, 5].set(-1).at[2, ::3].set(-1).at[4, 64:].set(-1)
   live = np.asarray([0, 1, 2, 4])
-  used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
-  used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
-  used[0] = False
-  rows = cache.reshape(-1, 576)
-  poisoned = jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
+  poisoned = _poison_unselected(cache, idx)
   clean_out, clean_lse = _run(q, cache, idx, "select", interpret=FAST)
   out, lse = _run(q, poisoned, idx, "select", interpret=FAST)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
@@ -248,11 +253,7 @@ def test_rows_cut_in_halves(heads):
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(whole_out[0], np.float32))
   np.testing.assert_array_equal(np.asarray(lse[0]), np.asarray(whole_lse[0]))
 
-  used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
-  used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
-  used[0] = False
-  rows = cache.reshape(-1, 576)
-  poisoned = jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
+  poisoned = _poison_unselected(cache, idx)
   sel_out, sel_lse = run(poisoned, "select")
   np.testing.assert_array_equal(np.asarray(sel_out, np.float32), np.asarray(out, np.float32))
   np.testing.assert_array_equal(np.asarray(sel_lse), np.asarray(lse))
@@ -297,11 +298,7 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
                              rtol=2**-7, atol=1e-6)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(comb_lse), rtol=1e-6, atol=1e-6)
 
-  used = np.zeros(NUM_BLOCKS * BLOCK_SIZE, bool)
-  used[np.asarray(idx)[np.asarray(idx) >= 0]] = True
-  used[0] = False
-  rows = cache.reshape(-1, 576)
-  poisoned = jnp.where(jnp.asarray(used)[:, None], rows, jnp.nan).reshape(cache.shape)
+  poisoned = _poison_unselected(cache, idx)
   if mode == "select":
     sel_out, sel_lse = run(poisoned, "select", True)
     np.testing.assert_array_equal(np.asarray(sel_out, np.float32), np.asarray(out, np.float32))

@@ -143,6 +143,14 @@ def halves_pair_up(*, batch: int, half_rows: int) -> bool:
   return half_rows > 0 and (batch - half_rows) % 2 == 0
 
 
+def cluster_ctas(*, num_splits: int, half_rows: int, cluster_merge: bool) -> int:
+  """CTAs per cluster of a launch: with `cluster_merge`, a row's splits, or
+  with rows cut in halves two (two whole rows, or a cut row's halves); else 1."""
+  if not cluster_merge:
+    return 1
+  return 2 if half_rows else num_splits
+
+
 def cluster_merge_pays(*, batch: int, num_heads: int, num_splits: int,
                        half_rows: int = 0) -> bool:
   """Whether a row's splits merge in the kernel's clusters

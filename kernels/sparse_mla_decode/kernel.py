@@ -100,7 +100,7 @@ from jaxkv.kernels.mla_decode.seesaw import (
     tile_scores,
 )
 from jaxkv.kernels.sparse_mla_decode.cluster import cluster_sync, merge_row
-from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE
+from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE, cluster_ctas
 from jaxkv.kernels.sparse_mla_decode.gather import (
     FIRST_INVALID_SCRATCH,
     init_barriers,
@@ -215,14 +215,12 @@ def build_kernel(
   compiled = interpret is None
   bf16 = bf16_tile()
   direct = num_splits == 1  # no merge: the kernel writes the result
-  merged = cluster_merge  # the cluster's CTAs merge their splits: the result too
-  # CTAs per cluster: a row's splits, or with half_rows two CTAs (two whole
-  # rows, or a cut row's halves).
-  cluster_size = (2 if half_rows else num_splits) if merged else 1
+  cluster_size = cluster_ctas(num_splits=num_splits, half_rows=half_rows,
+                              cluster_merge=cluster_merge)
   merge_cols = HALF // cluster_size  # value channels each consumer merges
   staged = stage_out and out_dtype == jnp.bfloat16
   stage_out = staged and direct  # the kernel's own result of a whole row, staged
-  stage_merged = staged and merged  # the result of a cluster's merge, staged
+  stage_merged = staged and cluster_merge  # the result of a cluster's merge, staged
   last_stage = (num_tiles - 1) % NUM_STAGES
   q_heads = heads_padded if q_heads is None else q_heads
   head_groups = heads_padded // HEAD_TILE
@@ -251,7 +249,7 @@ def build_kernel(
     tok0 = split * (num_tiles * TILE)
     n_tiles = num_tiles  # this CTA's tiles: static, except with half_rows
     whole = True
-    if half_rows and merged:
+    if half_rows and cluster_merge:
       # Cluster b < whole_rows / 2: rows 2b and 2b + 1 whole, a CTA each; then
       # one cluster per cut row, its halves.
       pairs = whole_rows // 2
@@ -290,7 +288,7 @@ def build_kernel(
       # Compiled, the RoPE query lands in p_smem and moves to registers
       # before the first P is written (SMEM holds nothing more); the
       # interpreter keeps it in its own buffer.
-      if merged and not compiled:
+      if cluster_merge and not compiled:
         *extra_refs, cluster_bar = extra_refs
       lse_stage = None
       if tail_heads < HEAD_TILE and out_heads < heads_padded:
@@ -426,7 +424,7 @@ def build_kernel(
         else:
           for i in range(max(num_tiles - NUM_STAGES, 0), num_tiles):
             plgpu.barrier_wait(free_bar.at[i % NUM_STAGES])
-        if merged and compiled:
+        if cluster_merge and compiled:
           # Every thread of the cluster arrives (a cluster of whole rows
           # merges nothing and meets nowhere).
           if half_rows:
@@ -535,11 +533,11 @@ def build_kernel(
         if half_rows:
           half_o, half_lse = more_refs
           pl.when(whole)(store_result)
-          if merged:
+          if cluster_merge:
             pl.when(~whole)(lambda: merge_in_cluster(half_o.at[part], half_lse.at[part]))
           else:
             pl.when(~whole)(lambda: store_partial(half_o.at[part, half], half_lse.at[part, half]))
-        elif merged:
+        elif cluster_merge:
           part_o, part_lse = more_refs
           merge_in_cluster(part_o.at[b], part_lse.at[b])
         elif direct:
@@ -573,7 +571,7 @@ def build_kernel(
       extra.append(merge_stage)
     if tail_heads < HEAD_TILE and out_heads < heads_padded:
       extra.append(plgpu.SMEM((HEAD_TILE,), jnp.float32))  # the last group's LSE
-    if merged and not compiled:
+    if cluster_merge and not compiled:
       # The interpreter has no `barrier.cluster`: each consumer arrives on
       # every CTA's barrier of the cluster.
       extra.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=2))
@@ -599,7 +597,7 @@ def build_kernel(
   # explicit commit_smem or an mbarrier.
   result = (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
             jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
-  if merged and not half_rows:
+  if cluster_merge and not half_rows:
     out_type = (*result, *split_outputs(batch, num_splits, heads_padded))
   elif direct:
     out_type = (*result, *(split_outputs(half_rows, 2, heads_padded) if half_rows else ()))
@@ -607,13 +605,13 @@ def build_kernel(
     out_type = split_outputs(batch, num_splits, heads_padded)
   # With cluster_merge the splits (or two CTAs: two whole rows, or a cut
   # row's halves) are the cluster's axis, its CTAs side by side.
-  rows = (batch + half_rows) // 2 if merged and half_rows else batch + half_rows
+  rows = (batch + half_rows) // 2 if cluster_merge and half_rows else batch + half_rows
   return launch(
       sparse_mla_decode_kernel,
-      grid=(rows, *(() if merged else (num_splits,)), heads_padded // HEAD_TILE),
-      grid_names=("b", *(() if merged else ("s",)), "g"),
-      cluster=(cluster_size,) if merged else (),
-      cluster_names=("s",) if merged else (),
+      grid=(rows, *(() if cluster_merge else (num_splits,)), heads_padded // HEAD_TILE),
+      grid_names=("b", *(() if cluster_merge else ("s",)), "g"),
+      cluster=(cluster_size,) if cluster_merge else (),
+      cluster_names=("s",) if cluster_merge else (),
       out_type=out_type,
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,

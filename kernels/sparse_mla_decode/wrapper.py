@@ -17,6 +17,7 @@ from jaxkv.kernels.mla_decode.layout import query_rows, real_heads
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import (
     SparseMLADecodeConfig,
+    cluster_ctas,
     default_config,
     merges_in_cluster,
     rows_to_cut,
@@ -95,7 +96,8 @@ def sparse_mla_decode(
     if interpret is not None:
       # The interpreter runs all the CTAs of a cluster at once (a cut row's
       # halves: two).
-      cluster = (2 if half_rows else config.num_splits) if cluster_merge else 1
+      cluster = cluster_ctas(num_splits=config.num_splits, half_rows=half_rows,
+                             cluster_merge=cluster_merge)
       require_interpreter_threads(_kernel.NUM_THREADS * cluster, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
       return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
