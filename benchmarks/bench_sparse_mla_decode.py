@@ -8,7 +8,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
-      [--pad-heads 0 1] [--half-rows auto|off|N] [--cluster-merge 0 1]
+      [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -16,10 +16,11 @@ query's latent channels the consumers hold in registers,
 also times each variant with the query padded to 64 heads per group in XLA and
 the result sliced (the build before the unpadded query, for fewer heads than a
 head group), and compares its result bitwise with the unpadded one's.
-`--half-rows` sets `SparseMLADecodeConfig.half_rows` on every one-split
-config, the NaN checks' included: "auto" (the default config's: cut rows
-where one CTA per row overruns a wave by at most half of one), "off" (0),
-or N rows (at most the batch). `--cluster-merge` times each variant with
+`--cut-rows` sets `SparseMLADecodeConfig.cut_rows` on every one-split
+config, the NaN checks' included: "auto" (the default config's: rows cut
+where one CTA per row overruns a wave, `config.wave_plan`), "off" (0), or N
+rows (at most the batch); `--pieces` sets `SparseMLADecodeConfig.pieces`
+likewise (the pieces of a cut row). `--cluster-merge` times each variant with
 `SparseMLADecodeConfig.cluster_merge` set to each value (splits, or the
 halves of cut rows, merged by the kernel's clusters, or by the combine kernel
 after it; the default: the config's), compares the two results (within a
@@ -47,7 +48,6 @@ from jaxkv.kernels.sparse_mla_decode import (
 from jaxkv.kernels.sparse_mla_decode.config import (
     CLUSTER_SPLITS,
     default_config,
-    halves_pair_up,
     merges_in_cluster,
     rows_to_cut,
 )
@@ -103,16 +103,20 @@ def _same_result(a, b) -> bool:
           and np.allclose(la, lb, rtol=1e-5, atol=1e-5, equal_nan=True))
 
 
-def _pallas_config(splits, batch, heads, topk=TOPK, half_rows=None):
+def _pallas_config(splits, batch, heads, topk=TOPK, cut_rows=None, pieces=None):
   """The kernel (not the XLA path) with `splits`, or the default split count if
-  0, and with one split `half_rows` (None: the config's; else at most the batch)."""
+  0, and with one split `cut_rows` (None: the config's; else at most the batch)
+  and `pieces` (None: the config's)."""
   if splits:
     config = SparseMLADecodeConfig(num_splits=splits, implementation="pallas")
   else:
     config = dataclasses.replace(default_config(batch=batch, num_heads=heads, topk=topk),
                                  implementation="pallas")
-  if half_rows is not None and config.num_splits == 1:
-    config = dataclasses.replace(config, half_rows=min(half_rows, batch))
+  if config.num_splits == 1:
+    if cut_rows is not None:
+      config = dataclasses.replace(config, cut_rows=min(cut_rows, batch))
+    if pieces is not None:
+      config = dataclasses.replace(config, pieces=pieces)
   return config
 
 
@@ -133,15 +137,17 @@ def main(argv=None) -> int:
                       "stores' of the same run")
   parser.add_argument("--pad-heads", type=int, nargs="+", default=[0], choices=[0, 1],
                       help="time each variant with the query padded in XLA (1) and unpadded (0)")
-  parser.add_argument("--half-rows", default="auto",
-                      help="auto (the config's), off, or N rows cut in halves (one split)")
+  parser.add_argument("--cut-rows", default="auto",
+                      help="auto (the config's), off, or N rows cut into pieces (one split)")
+  parser.add_argument("--pieces", type=int, default=None,
+                      help="pieces of each cut row (one split; default: the config's)")
   parser.add_argument("--cluster-merge", type=int, nargs="+", default=None, choices=[0, 1],
                       help="time each variant with the splits merged by the kernel's clusters"
                       " (1) and by the combine kernel (0) (default: the config's)")
   args = parser.parse_args(argv)
-  half_rows = {"auto": None, "off": 0}.get(args.half_rows)
-  if half_rows is None and args.half_rows != "auto":
-    half_rows = int(args.half_rows)
+  cut_rows = {"auto": None, "off": 0}.get(args.cut_rows)
+  if cut_rows is None and args.cut_rows != "auto":
+    cut_rows = int(args.cut_rows)
   shapes = [(128, 64, TOPK, 0.0), (128, 128, TOPK, 0.0), (64, 64, TOPK, 0.0),
             (128, 64, TOPK, 0.25)]
   if args.shapes:
@@ -159,7 +165,7 @@ def main(argv=None) -> int:
   ok = True
   for batch, heads, topk, invalid in shapes:
     q, cache, idx = _inputs(batch, heads, invalid, topk=topk)
-    cfg = _pallas_config(args.splits, batch, heads, topk, half_rows)
+    cfg = _pallas_config(args.splits, batch, heads, topk, cut_rows, args.pieces)
     n_valid = int((idx >= 0).sum())
     kv_bytes = n_valid * 576 * 2
     io_bytes = q.size * 2 + batch * heads * 512 * 2
@@ -174,8 +180,8 @@ def main(argv=None) -> int:
     stage_out = [bool(v) for v in args.stage_out] if args.stage_out else [cfg.stage_out]
     pads = sorted({bool(v) for v in args.pad_heads})
     merges = [None]
-    rows_cut = rows_to_cut(cfg, batch=batch, num_heads=heads, topk=topk)
-    pairs = halves_pair_up(batch=batch, half_rows=rows_cut)
+    cut = rows_to_cut(cfg, batch=batch, num_heads=heads, topk=topk)
+    pairs = cfg.num_splits == 1 and cut.pieces == 2 and cut.rows and (batch - cut.rows) % 2 == 0
     if args.cluster_merge and (cfg.num_splits in CLUSTER_SPLITS or pairs):
       merges = [bool(v) for v in args.cluster_merge]
     variants = [(mode, qr, so, ph, cm) for so in stage_out for qr in q_regs
@@ -222,8 +228,8 @@ def main(argv=None) -> int:
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
     print(f"b{batch} h{heads} topk{topk} inv{invalid}: {cfg.num_splits} splits,"
-          f" {rows_cut} rows cut in halves, merge in clusters"
-          f" {merges_in_cluster(cfg, batch=batch, num_heads=heads, half_rows=rows_cut)}, ceiling"
+          f" {cut.rows} rows cut into {cut.pieces} pieces, merge in clusters"
+          f" {merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)}, ceiling"
           f" {kv_bytes / t_ceil / 1e12:.2f} TB/s, XLA reference {t_ref * 1e6:.0f} us", flush=True)
 
   # NaN in slot 0 and in rows no index selects: "select" stays clean,
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
   used = jnp.zeros(NUM_BLOCKS * BLOCK_SIZE, bool).at[jnp.maximum(idx, 0)].set(True)
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
-  base = _pallas_config(args.splits, 16, 64, half_rows=half_rows)
+  base = _pallas_config(args.splits, 16, 64, cut_rows=cut_rows, pieces=args.pieces)
   checks = [(qr, bool(so), None, False) for qr in args.q_regs or [base.q_regs]
             for so in args.stage_out or [base.stage_out]]
   checks += [(base.q_regs, so, bool(cm), halves) for cm in args.cluster_merge or []
@@ -245,9 +251,10 @@ def main(argv=None) -> int:
     splits = 1 if halves else 8 if cm is not None else 1 if so else base.num_splits
     cfg = dataclasses.replace(base, q_regs=qr, stage_out=so, num_splits=splits,
                               cluster_merge=cm,
-                              half_rows=10 if halves else None if cm is not None else base.half_rows)
-    if half_rows and cfg.num_splits == 1 and not halves:  # rows 6-7 (with -1s) among those cut at 10
-      cfg = dataclasses.replace(cfg, half_rows=min(half_rows, 16))
+                              cut_rows=10 if halves else None if cm is not None else base.cut_rows,
+                              pieces=2 if halves else base.pieces)
+    if cut_rows and cfg.num_splits == 1 and not halves:  # rows 6-7 (with -1s) among those cut at 10
+      cfg = dataclasses.replace(cfg, cut_rows=min(cut_rows, 16))
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
     clean, _ = f(cache, "select")
     sel, _ = f(poisoned, "select")
@@ -256,7 +263,8 @@ def main(argv=None) -> int:
     nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
         False] + [True] * 7 + [False] * 8
     ok &= nan_ok
-    print(f"NaN poisoning (q_regs {qr}, stage_out {so}, half_rows {cfg.half_rows},"
+    print(f"NaN poisoning (q_regs {qr}, stage_out {so}, cut_rows {cfg.cut_rows},"
+          f" pieces {cfg.pieces},"
           f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}): select"
           f" bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")
@@ -269,7 +277,7 @@ def main(argv=None) -> int:
   far = jnp.where(jnp.arange(TOPK) % 3 == 0, n, jnp.where(jnp.arange(TOPK) % 3 == 1, -7, 2**31 - 1))
   odd = jnp.where(idx < 0, far[None, :].astype(jnp.int32), idx)
   poisoned = cache.reshape(-1, 576).at[n - 1].set(jnp.nan).reshape(cache.shape)
-  cfg = _pallas_config(args.splits, 16, 64, half_rows=half_rows)
+  cfg = _pallas_config(args.splits, 16, 64, cut_rows=cut_rows, pieces=args.pieces)
   for mode in args.modes:
     f = lambda i, mode=mode: sparse_mla_decode(q, poisoned, i, sm_scale=SCALE, mask_mode=mode,
                                                config=cfg)

@@ -20,7 +20,10 @@ from jaxkv.kernels.sparse_mla_decode.config import (
     config_from_entries,
     heuristic_config,
     merges_in_cluster,
-    wave_fill_rows,
+    plan_cost,
+    wave_plan,
+    RowCut,
+    _span,
 )
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
@@ -227,16 +230,16 @@ def test_cluster_merge_pays():
 
 @pytest.mark.parametrize("heads", [16, 128])
 def test_rows_cut_in_halves(heads):
-  """`half_rows`: the last rows' top-k lists in two halves, a CTA each (three
-  tiles: halves of two and one), merged after the kernel, beside a whole
+  """`cut_rows`: the last rows' top-k lists in two halves, a CTA each (three
+  tiles: halves of one and two), merged after the kernel, beside a whole
   row. Row 1's first half holds no valid index, row 2 none at all. At 16
   heads (race detector on for the clean call) also: the whole row is bit
-  for bit what `half_rows=0` gives; NaN in slot 0 and in every slot no row
+  for bit what `cut_rows=0` gives; NaN in slot 0 and in every slot no row
   indexes leaves "select" bit-equal to clean memory, and "multiply" gives
   NaN exactly where the reference does."""
   q, cache, idx = _inputs(53, 3, heads, 192, invalid=0.2, dead_rows=(2,))
   idx = idx.at[1, :128].set(-1)
-  config = SparseMLADecodeConfig(half_rows=2)
+  config = SparseMLADecodeConfig(cut_rows=2)
 
   def run(c, mode, config=config, interpret=FAST):
     return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
@@ -249,7 +252,7 @@ def test_rows_cut_in_halves(heads):
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
   if heads != 16:
     return
-  whole_out, whole_lse = run(cache, "select", config=SparseMLADecodeConfig(half_rows=0))
+  whole_out, whole_lse = run(cache, "select", config=SparseMLADecodeConfig(cut_rows=0))
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(whole_out[0], np.float32))
   np.testing.assert_array_equal(np.asarray(lse[0]), np.asarray(whole_lse[0]))
 
@@ -267,9 +270,9 @@ def test_rows_cut_in_halves(heads):
 
 @pytest.mark.parametrize("heads, mode", [(16, "select"), (128, "multiply")])
 def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
-  """`half_rows` with `cluster_merge`: whole rows 0 and 1 as a cluster of two
-  CTAs that merge nothing, rows 2 and 3 cut in halves (of two tiles and
-  one), each a cluster that merges its halves. Row 2's first half holds no
+  """`cut_rows` with `cluster_merge`: whole rows 0 and 1 as a cluster of two
+  CTAs that merge nothing, rows 2 and 3 cut in halves (of one tile and
+  two), each a cluster that merges its halves. Row 2's first half holds no
   valid index, row 3 none at all. The reference's result, the combine
   path's within a bf16 rounding with the same LSE (the whole rows bit for
   bit); NaN in slot 0 and in every slot no row indexes leaves "select"
@@ -280,7 +283,7 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
   idx = idx.at[2, :128].set(-1)
 
   def run(c, mode, merge, interpret=FAST):
-    config = SparseMLADecodeConfig(half_rows=2, cluster_merge=merge)
+    config = SparseMLADecodeConfig(cut_rows=2, cluster_merge=merge)
     return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
                              config=config)
 
@@ -312,53 +315,133 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
   assert (np.asarray(mul_out[3], np.float32) == 0).all()
 
 
+def test_rows_cut_into_pieces():
+  """`cut_rows` with `pieces=4`: rows 1 and 2 of a five-tile list cut into
+  pieces of one, one, one and two tiles, a CTA each, merged after the kernel,
+  beside a whole row. Row 1's first three pieces hold no valid index, row 2
+  none at all. The reference's result; the whole row bit for bit what
+  `cut_rows=0` gives; NaN in slot 0 and in every slot no row indexes leaves
+  "select" bit-equal to clean memory, and "multiply" gives NaN exactly where
+  the reference does."""
+  q, cache, idx = _inputs(59, 3, 64, 320, invalid=0.2, dead_rows=(2,))
+  idx = idx.at[1, :192].set(-1)
+
+  def run(c, mode, config=SparseMLADecodeConfig(cut_rows=2, pieces=4)):
+    return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=FAST,
+                             config=config)
+
+  out, lse = run(cache, "select")
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
+  _check(out[:2], lse[:2], ref_out[:2], ref_lse[:2])
+  assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
+  whole_out, whole_lse = run(cache, "select", config=SparseMLADecodeConfig(cut_rows=0))
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(whole_out[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(lse[0]), np.asarray(whole_lse[0]))
+
+  poisoned = _poison_unselected(cache, idx)
+  sel_out, sel_lse = run(poisoned, "select")
+  np.testing.assert_array_equal(np.asarray(sel_out, np.float32), np.asarray(out, np.float32))
+  np.testing.assert_array_equal(np.asarray(sel_lse), np.asarray(lse))
+  ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
+  want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
+  np.testing.assert_array_equal(want, [True, True, False])
+  mul_out, _ = run(poisoned, "multiply")
+  np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
+  assert (np.asarray(mul_out[2], np.float32) == 0).all()
+
+
 def test_halves_merge_in_clusters_where_they_pair_up():
   """`cluster_merge=None` with rows cut in halves: clusters of two wherever the
-  whole rows pair up; an explicit `cluster_merge=True` elsewhere is a clear
-  error."""
+  whole rows pair up, never for more pieces; an explicit `cluster_merge=True`
+  elsewhere is a clear error."""
   auto = SparseMLADecodeConfig()
-  for batch, heads in ((96, 128), (67, 128), (150, 64), (196, 64), (140, 16), (150, 24)):
-    cut = wave_fill_rows(batch=batch, num_heads=heads, topk=2048, num_splits=1)
-    assert cut and (batch - cut) % 2 == 0  # the automatic cut always pairs up
-    assert merges_in_cluster(auto, batch=batch, num_heads=heads, half_rows=cut)
-  assert not merges_in_cluster(auto, batch=97, num_heads=128, half_rows=36)  # 61 whole rows
-  assert not merges_in_cluster(auto, batch=96, num_heads=128, half_rows=0)
+  for batch, heads in ((96, 128), (99, 128), (170, 64), (196, 64)):
+    cut = wave_plan(batch=batch, num_heads=heads, topk=2048, num_splits=1)
+    assert cut.pieces == 2 and cut.rows and (batch - cut.rows) % 2 == 0
+    assert merges_in_cluster(auto, batch=batch, num_heads=heads, cut=cut)
+  assert not merges_in_cluster(auto, batch=97, num_heads=128, cut=RowCut(36, 2))  # 61 whole
+  assert not merges_in_cluster(auto, batch=96, num_heads=128, cut=RowCut(0, 2))
+  assert not merges_in_cluster(auto, batch=98, num_heads=128, cut=RowCut(36, 4))
   off = SparseMLADecodeConfig(cluster_merge=False)
-  assert not merges_in_cluster(off, batch=96, num_heads=128, half_rows=36)
+  assert not merges_in_cluster(off, batch=96, num_heads=128, cut=RowCut(36, 2))
   forced = SparseMLADecodeConfig(cluster_merge=True)
-  for batch, heads, cut in ((97, 128, 36), (96, 128, 0)):
+  for batch, heads, cut in ((97, 128, RowCut(36, 2)), (96, 128, RowCut(0, 2)),
+                            (98, 128, RowCut(36, 4))):
     with pytest.raises(ValueError, match="cluster_merge"):
-      merges_in_cluster(forced, batch=batch, num_heads=heads, half_rows=cut)
+      merges_in_cluster(forced, batch=batch, num_heads=heads, cut=cut)
   with pytest.raises(ValueError, match="cluster_merge"):
-    SparseMLADecodeConfig(half_rows=0, cluster_merge=True)
+    SparseMLADecodeConfig(cut_rows=0, cluster_merge=True)
+  with pytest.raises(ValueError, match="cluster_merge"):
+    SparseMLADecodeConfig(cut_rows=2, pieces=4, cluster_merge=True)
   q, cache, idx = _inputs(0, 3, 64, 128)
   with pytest.raises(ValueError, match="cluster_merge"):  # one whole row: no pair
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=FAST,
-                      config=SparseMLADecodeConfig(half_rows=2, cluster_merge=True))
+                      config=SparseMLADecodeConfig(cut_rows=2, cluster_merge=True))
 
 
-def test_wave_fill_rows():
-  """Rows are cut only where one CTA per row and head group overruns one wave
-  by at most half of one, and then so that the CTAs make two whole waves."""
-  def rows(batch, heads, topk=2048, splits=1):
-    return wave_fill_rows(batch=batch, num_heads=heads, topk=topk, num_splits=splits)
-
-  assert rows(96, 128) == 36 and 2 * (96 + 36) == 264
-  assert rows(150, 64) == 114 and rows(198, 64) == 66 and rows(99, 128) == 33
-  assert rows(66, 128) == 0 and rows(132, 64) == 0  # one wave exactly
-  assert rows(100, 128) == 0 and rows(199, 64) == 0 and rows(128, 128) == 0  # past half
-  assert rows(150, 64, splits=2) == 0 and rows(150, 64, topk=64) == 0
-  assert rows(70, 16) == 0 and rows(140, 16) == 124
+def _greedy_span(costs, num_sms):
+  """Each CTA, in launch order, on the SM that frees first: when the last ends."""
+  free = [0.0] * num_sms
+  for cost in costs:
+    i = min(range(num_sms), key=free.__getitem__)
+    free[i] += cost
+  return max(free)
 
 
-def test_half_rows_validation():
-  with pytest.raises(ValueError, match="half_rows"):
-    SparseMLADecodeConfig(half_rows=-1)
-  with pytest.raises(ValueError, match="half_rows"):
-    SparseMLADecodeConfig(num_splits=2, half_rows=1)
+def test_span_is_the_greedy_schedule():
+  """`_span`'s closed form against a schedule of every CTA on the first free
+  SM, on shapes drawn at random (whole CTAs first, then the pieces)."""
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    sms = int(rng.integers(1, 20))
+    whole = int(rng.integers(0, sms + 1))
+    pieces = int(rng.integers(0, 60))
+    cta = float(rng.integers(10, 80))
+    piece = float(rng.integers(1, 40))
+    want = _greedy_span([cta] * whole + [piece] * pieces, sms)
+    assert abs(_span(whole, pieces, cta, piece, sms) - want) < 1e-6, (sms, whole, pieces)
+
+
+def test_wave_plan():
+  """Rows are cut only where one CTA per row and head group overruns one wave,
+  up to two; just past one wave, a few rows in many pieces; near two waves,
+  halves that pair up; past the point where no cut beats the whole rows'
+  two waves, none. The plan is never worse than no cut in its own model."""
+  def plan(batch, heads, topk=2048, splits=1, pieces=None):
+    return wave_plan(batch=batch, num_heads=heads, topk=topk, num_splits=splits,
+                     pieces=pieces)
+
+  assert plan(66, 128) == (0, 2) and plan(132, 64) == (0, 2)  # one wave exactly
+  assert plan(265, 64) == (0, 2) and plan(128, 128) == (0, 2)  # two waves or more
+  assert plan(110, 128) == (0, 2)  # no cut beats two waves of whole rows
+  assert plan(150, 64, splits=2) == (0, 2) and plan(150, 64, topk=64) == (0, 2)
+  for batch, heads in ((67, 128), (133, 64), (70, 128)):  # just past one wave
+    cut = plan(batch, heads)
+    assert cut.rows <= 4 and cut.pieces >= 16, cut
+  for batch, heads in ((96, 128), (99, 128), (196, 64)):  # near two waves
+    cut = plan(batch, heads)
+    assert cut.pieces == 2 and (batch - cut.rows) % 2 == 0, cut
+  assert plan(133, 64, pieces=2).pieces == 2 and plan(133, 64, topk=256).pieces <= 4
+  for batch, heads in ((67, 128), (80, 128), (99, 128), (140, 16), (150, 64), (200, 64)):
+    groups = -(-heads // 64)
+    cut = plan(batch, heads)
+    costs = [plan_cost(batch=batch, groups=groups, tiles=32, cut=c)
+             for c in (cut, RowCut(0, 2), RowCut(batch - 132 // groups, 2))]
+    assert costs[0] <= min(costs[1:]), (batch, heads, costs)
+
+
+def test_cut_rows_validation():
+  with pytest.raises(ValueError, match="cut_rows"):
+    SparseMLADecodeConfig(cut_rows=-1)
+  with pytest.raises(ValueError, match="cut_rows"):
+    SparseMLADecodeConfig(num_splits=2, cut_rows=1)
+  for pieces in (1, 33, True, 2.0):
+    with pytest.raises((TypeError, ValueError), match="pieces"):
+      SparseMLADecodeConfig(cut_rows=1, pieces=pieces)
   q, cache, idx = _inputs(0, 2, 16, 64)
-  for config in (SparseMLADecodeConfig(half_rows=3), SparseMLADecodeConfig(half_rows=1)):
-    with pytest.raises(ValueError, match="half_rows"):
+  for config in (SparseMLADecodeConfig(cut_rows=3), SparseMLADecodeConfig(cut_rows=1),
+                 SparseMLADecodeConfig(cut_rows=1, pieces=3)):
+    with pytest.raises(ValueError, match="cut_rows"):
       sparse_mla_decode(q, cache, idx, sm_scale=SCALE, config=config)
 
 
@@ -440,7 +523,7 @@ def test_config_validation():
       SparseMLADecodeConfig(num_splits=splits, cluster_merge=True)
   # One split merges in clusters only the halves of cut rows.
   with pytest.raises(ValueError, match="cluster_merge"):
-    SparseMLADecodeConfig(num_splits=1, half_rows=0, cluster_merge=True)
+    SparseMLADecodeConfig(num_splits=1, cut_rows=0, cluster_merge=True)
   SparseMLADecodeConfig(num_splits=1, cluster_merge=True)  # halves where the shape cuts rows
   with pytest.raises((TypeError, ValueError), match="cluster_merge"):
     SparseMLADecodeConfig(num_splits=2, cluster_merge=1)
@@ -568,22 +651,24 @@ def test_compiled_kernel_with_cluster_merge_lowers_for_hopper(select, heads, spl
 
 @pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
 def test_compiled_kernel_with_rows_cut_in_halves_lowers_for_hopper(select, heads):
-  """`half_rows` on the compiled path: tile counts per CTA known only at run
-  time, and both the direct (staged) and the partial stores in one body."""
+  """`cut_rows` on the compiled path: tile counts per CTA known only at run
+  time, and both the direct (staged) and the partial stores in one body, in
+  halves and in three pieces."""
   from jaxkv.kernels.sparse_mla_decode import kernel as K
 
   batch, topk = 3, 192
-  call = K.build_kernel(
-      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
-      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
-      out_dtype=jnp.bfloat16, q_heads=heads, half_rows=2,
-  )
-  _assert_lowers(call, batch, heads, topk, select)
+  for pieces in (2, 3):
+    call = K.build_kernel(
+        batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
+        sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+        out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, pieces=pieces,
+    )
+    _assert_lowers(call, batch, heads, topk, select)
 
 
 @pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
 def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select, heads):
-  """`half_rows` with `cluster_merge` on the compiled path: clusters of two,
+  """`cut_rows` with `cluster_merge` on the compiled path: clusters of two,
   `barrier.cluster` met by the cut rows' clusters alone, and the merged
   pieces staged in the KV ring's bytes (at 16 heads the real rows alone)."""
   from jaxkv.kernels.sparse_mla_decode import kernel as K
@@ -592,7 +677,7 @@ def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select
   call = K.build_kernel(
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
-      out_dtype=jnp.bfloat16, q_heads=heads, half_rows=2, cluster_merge=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, cluster_merge=True,
   )
   text = _assert_lowers(call, batch, heads, topk, select)
   assert "barrier.cluster.arrive.release.aligned" in text

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 from jaxkv.kernels._common import device_kind, load_tuning
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
@@ -17,6 +18,7 @@ IMPLEMENTATIONS = ("xla", "pallas")
 # channels, half per consumer warpgroup, and a cluster of more than 8 CTAs is
 # not portable.
 CLUSTER_SPLITS = (2, 4, 8)
+MAX_PIECES = 32  # pieces of a cut row (`SparseMLADecodeConfig.pieces`)
 # The most CTAs a launch in clusters of 4 or 8 ran in one wave on the H200
 # (top-k 2048, 2026-12-04): 15 x 64 heads at 8 splits and 30 x 64 at 4 (120
 # CTAs) did; 16 x 64 at 8 and 32 x 64 at 4 (128 CTAs) took two waves, 1.5-1.9x
@@ -49,19 +51,23 @@ class SparseMLADecodeConfig:
       result of a merge in clusters (`cluster_merge`), each CTA's piece of
       it; a staged result holds the query's own heads, a multiple of 8
       (no XLA slice after the kernel).
-    half_rows: with one split, how many of the batch's last rows are cut in
-      two halves of their top-k list, a CTA each, merged by log-sum-exp
-      afterwards, while the other rows keep one CTA per head group. None:
-      `wave_fill_rows` (enough that the CTAs make two whole waves where one
-      CTA per row and head group overruns one wave by at most half of one);
-      0: none. On the H200 (top-k 2048, 2026-12-03) the automatic count took
-      96 x 128 heads from 145.4 to 127.1 µs and 150 x 64 from 153.9 to 140.8
-      (NOTES.md).
+    cut_rows: with one split, how many of the batch's last rows are cut
+      into `pieces` contiguous pieces of their top-k list, a CTA each,
+      merged by log-sum-exp afterwards, while the other rows keep one CTA per
+      head group. None: `wave_plan`'s (a cost model of the CTAs' waves: where
+      one CTA per row and head group overruns one wave, a few rows cut into
+      many short pieces fill the SMs the whole rows leave, or more rows cut
+      in halves make two even waves); 0: none. On the H200 (top-k 2048,
+      2026-12-03) halves took 96 x 128 heads from 145.4 to 127.1 µs and 150
+      x 64 from 153.9 to 140.8 (NOTES.md).
+    pieces: how many pieces a cut row is cut into (2 to 32, at most the
+      list's 64-index tiles): None with `cut_rows=None`, `wave_plan`'s; None
+      with `cut_rows` set, 2 (halves).
     cluster_merge: with several splits, whether a row's splits (2, 4 or 8)
       run as one cluster of CTAs that merge their partial results
       themselves, through L2 after a cluster barrier, instead of a combine
       kernel after the decode kernel. With one split and rows cut in halves
-      (`half_rows`), the same for each cut row's two halves (a cluster of
+      (`cut_rows`, `pieces=2`), the same for each cut row's two halves (a cluster of
       two; the whole rows' CTAs are paired in clusters too, and merge
       nothing): it needs an even number of whole rows (`halves_pair_up`). None:
       `cluster_merge_pays`. On the H200 (top-k 2048, 2026-12-04) it took 14
@@ -77,7 +83,8 @@ class SparseMLADecodeConfig:
   implementation: str = "pallas"
   q_regs: int = 128
   stage_out: bool = True
-  half_rows: int | None = None
+  cut_rows: int | None = None
+  pieces: int | None = None
   cluster_merge: bool | None = None
 
   def __post_init__(self):
@@ -91,95 +98,170 @@ class SparseMLADecodeConfig:
     check_choice("q_regs", self.q_regs, Q_REGS)
     if not isinstance(self.stage_out, bool):
       raise ValueError(f"{self.stage_out=} must be a bool")
-    rows = self.half_rows
+    rows = self.cut_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
-      raise ValueError(f"half_rows={rows!r} must be None or an int >= 0")
+      raise ValueError(f"cut_rows={rows!r} must be None or an int >= 0")
     if rows and self.num_splits != 1:
-      raise ValueError(f"{self.half_rows=} needs num_splits=1, got {self.num_splits=}")
+      raise ValueError(f"{self.cut_rows=} needs num_splits=1, got {self.num_splits=}")
+    pieces = self.pieces
+    if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool)
+                               or not 2 <= pieces <= MAX_PIECES):
+      raise ValueError(f"pieces={pieces!r} must be None or an int in [2, {MAX_PIECES}]")
     if self.cluster_merge not in (None, True, False):
       raise ValueError(f"cluster_merge={self.cluster_merge!r} must be None or a bool")
     if self.cluster_merge and self.num_splits not in (1, *CLUSTER_SPLITS):
       raise ValueError(
           f"{self.cluster_merge=} needs num_splits in {CLUSTER_SPLITS} (or 1, with rows cut"
           f" in halves), got {self.num_splits=}")
-    if self.cluster_merge and self.num_splits == 1 and self.half_rows == 0:
+    if self.cluster_merge and self.num_splits == 1 and (self.cut_rows == 0
+                                                         or self.pieces not in (None, 2)):
       raise ValueError(f"{self.cluster_merge=} with one split needs rows cut in halves,"
-                       f" got {self.half_rows=}")
+                       f" got {self.cut_rows=}, {self.pieces=}")
 
 
-def wave_fill_rows(
-    *, batch: int, num_heads: int, topk: int, num_splits: int, num_sms: int = 132
-) -> int:
-  """Rows to cut in halves (`SparseMLADecodeConfig.half_rows=None`).
+class RowCut(NamedTuple):
+  """Rows of a one-split call cut into pieces: the batch's last `rows` rows,
+  `pieces` pieces each (none where `rows` is 0)."""
+
+  rows: int
+  pieces: int
+
+
+# The cost model of `wave_plan`, in µs on the H200 (top-k 2048, 2026-12-03/04:
+# 32 tiles in ~75 µs per CTA under a full machine, 8.4 µs for a lone CTA of
+# one tile; XLA's combine of the cut rows 4-12 µs after the kernel).
+TILE_US = 2.25  # a CTA's 64-index tile while every SM streams
+CTA_US = 5.0  # a CTA's fixed cost: its query, its first gather, its epilogue
+COMBINE_US = 5.0  # the combine after the kernel, plus ...
+COMBINE_ROW_US = 0.1  # ... per cut row
+PLAN_PIECES = (2, 4, 8, 16, 32)  # the piece counts `wave_plan` weighs
+
+
+def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
+  """When the last of `whole` CTAs of cost `cta` (at most one wave, started
+  first) and then `pieces` CTAs of cost `piece` ends, each CTA taking the SM
+  that frees first. The SMs left free take pieces back to back from the start,
+  the others from `cta` on: the pieces end at the `pieces`-th smallest of
+  those completion times."""
+  end = cta if whole else 0.0
+  if not pieces:
+    return end
+  free = num_sms - whole
+
+  def done(t):  # pieces completed by time t
+    return free * int(t // piece + 1e-9) + whole * max(0, int((t - cta) // piece + 1e-9))
+
+  lo, hi = 0.0, cta + pieces * piece
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (lo, mid) if done(mid) >= pieces else (mid, hi)
+  return max(end, hi)
+
+
+def plan_cost(*, batch: int, groups: int, tiles: int, cut: RowCut, num_sms: int = 132) -> float:
+  """`wave_plan`'s modelled time of a one-split call (µs): its CTAs' span,
+  plus the combine of the cut rows unless they are halves that pair up
+  (merged in the kernel's clusters)."""
+  cta = tiles * TILE_US + CTA_US
+  if not cut.rows:
+    return -(-batch * groups // num_sms) * cta
+  whole = (batch - cut.rows) * groups
+  if whole > num_sms:
+    return float("inf")  # the whole rows overrun a wave: not a plan this model weighs
+  piece = -(-tiles // cut.pieces) * TILE_US + CTA_US
+  span = _span(whole, cut.rows * groups * cut.pieces, cta, piece, num_sms)
+  if halves_pair_up(batch=batch, cut_rows=cut.rows, pieces=cut.pieces):
+    return span
+  return span + COMBINE_US + COMBINE_ROW_US * cut.rows
+
+
+@functools.lru_cache(maxsize=256)
+def wave_plan(
+    *, batch: int, num_heads: int, topk: int, num_splits: int, pieces: int | None = None,
+    num_sms: int = 132,
+) -> RowCut:
+  """The rows to cut and their pieces (`SparseMLADecodeConfig.cut_rows=None`).
 
   One split gives each row and head group one CTA of the whole top-k list.
-  Where those CTAs overrun one wave by at most half of one (a CTA per SM),
-  the second wave would be a few whole rows behind all the others: cutting
-  the last rows in halves until the CTAs make two waves puts short halves
-  there instead, behind whole rows (or, past half a wave, two whole rows
-  would share an SM anyway). 0 elsewhere, with several splits, and for a
-  one-tile top-k list.
+  Where those CTAs overrun one wave (up to two), the last wave would be a
+  few whole rows behind all the others. This cuts the batch's last rows into
+  pieces so that the SMs the whole rows leave free, and all of them after,
+  take short pieces instead: the count of rows and of pieces (`PLAN_PIECES`,
+  or `pieces` alone) that `plan_cost`'s model of the waves ends soonest,
+  cutting nothing where no cut beats the whole rows' waves. No cut with
+  several splits, within one wave or past two, and for a one-tile list.
   """
-  if num_splits != 1 or topk // TILE < 2:
-    return 0
+  tiles = topk // TILE
+  none = RowCut(0, 2)
   groups = -(-num_heads // 64)
-  if not num_sms < batch * groups <= 3 * num_sms // 2:
-    return 0
-  return min(batch, 2 * num_sms // groups - batch)
+  if num_splits != 1 or tiles < 2 or not num_sms < batch * groups <= 2 * num_sms:
+    return none
+  choices = [p for p in ((pieces,) if pieces else PLAN_PIECES) if p <= tiles]
+  best, best_cost = none, plan_cost(batch=batch, groups=groups, tiles=tiles, cut=none,
+                                    num_sms=num_sms)
+  for n in choices:
+    for rows in range(max(1, batch - num_sms // groups), batch + 1):
+      cut = RowCut(rows, n)
+      cost = plan_cost(batch=batch, groups=groups, tiles=tiles, cut=cut, num_sms=num_sms)
+      if cost < best_cost - 1e-6:
+        best, best_cost = cut, cost
+  return best
 
 
-def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int, topk: int) -> int:
-  """`config.half_rows`, or where it is None, `wave_fill_rows` for this shape."""
-  if config.half_rows is not None:
-    return config.half_rows
-  return wave_fill_rows(batch=batch, num_heads=num_heads, topk=topk,
-                        num_splits=config.num_splits)
+def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
+                topk: int) -> RowCut:
+  """`config.cut_rows` and `config.pieces` (2 where None), or where `cut_rows`
+  is None, `wave_plan` for this shape (for `config.pieces` alone if set)."""
+  if config.cut_rows is not None:
+    return RowCut(config.cut_rows, config.pieces or 2)
+  return wave_plan(batch=batch, num_heads=num_heads, topk=topk,
+                   num_splits=config.num_splits, pieces=config.pieces)
 
 
-def halves_pair_up(*, batch: int, half_rows: int) -> bool:
+def halves_pair_up(*, batch: int, cut_rows: int, pieces: int = 2) -> bool:
   """Whether rows cut in halves can merge them in clusters of two CTAs: the
-  whole rows' CTAs pair up (an even count of them; always so for
-  `wave_fill_rows`)."""
-  return half_rows > 0 and (batch - half_rows) % 2 == 0
+  whole rows' CTAs pair up (an even count of them)."""
+  return cut_rows > 0 and pieces == 2 and (batch - cut_rows) % 2 == 0
 
 
-def cluster_ctas(*, num_splits: int, half_rows: int, cluster_merge: bool) -> int:
+def cluster_ctas(*, num_splits: int, cut_rows: int, cluster_merge: bool) -> int:
   """CTAs per cluster of a launch: with `cluster_merge`, a row's splits, or
   with rows cut in halves two (two whole rows, or a cut row's halves); else 1."""
   if not cluster_merge:
     return 1
-  return 2 if half_rows else num_splits
+  return 2 if cut_rows else num_splits
 
 
 def cluster_merge_pays(*, batch: int, num_heads: int, num_splits: int,
-                       half_rows: int = 0) -> bool:
+                       cut_rows: int = 0, pieces: int = 2) -> bool:
   """Whether a row's splits merge in the kernel's clusters
   (`SparseMLADecodeConfig.cluster_merge=None`): at 2 splits, and at 4 or 8
   where the launch's CTAs stay within `MAX_CLUSTER_CTAS` (clusters of 2 ran
   128 CTAs in one wave on the H200); with one split, the halves of cut rows
   wherever `halves_pair_up`."""
   if num_splits == 1:
-    return halves_pair_up(batch=batch, half_rows=half_rows)
+    return halves_pair_up(batch=batch, cut_rows=cut_rows, pieces=pieces)
   ctas = batch * -(-num_heads // 64) * num_splits
   return num_splits == 2 or (num_splits in (4, 8) and ctas <= MAX_CLUSTER_CTAS)
 
 
 def merges_in_cluster(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
-                      half_rows: int = 0) -> bool:
+                      cut: RowCut = RowCut(0, 2)) -> bool:
   """`config.cluster_merge`, or where it is None, `cluster_merge_pays` for this shape.
 
-  `half_rows`: the rows this call cuts in halves (`rows_to_cut`). Raises
-  ValueError where `cluster_merge=True` asks for halves that cannot pair up.
+  `cut`: the rows this call cuts (`rows_to_cut`). Raises ValueError where
+  `cluster_merge=True` asks for halves that cannot pair up.
   """
   if config.num_splits == 1 and config.cluster_merge:
-    if not halves_pair_up(batch=batch, half_rows=half_rows):
+    if not halves_pair_up(batch=batch, cut_rows=cut.rows, pieces=cut.pieces):
       raise ValueError(
           f"{config.cluster_merge=} with one split needs rows cut in halves beside an even"
-          f" number of whole rows: got batch={batch}, half_rows={half_rows}")
+          f" number of whole rows: got batch={batch}, cut_rows={cut.rows},"
+          f" pieces={cut.pieces}")
   if config.cluster_merge is not None:
     return config.cluster_merge
   return cluster_merge_pays(batch=batch, num_heads=num_heads, num_splits=config.num_splits,
-                            half_rows=half_rows)
+                            cut_rows=cut.rows, pieces=cut.pieces)
 
 
 def heuristic_config(

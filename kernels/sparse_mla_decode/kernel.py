@@ -1,10 +1,10 @@
 """Mosaic GPU body of sparse MLA decode: one CTA per (row, split, head group).
 
-(With one split and `half_rows`, the batch's last rows instead take two
-CTAs per head group, one per half of their top-k list, after the whole
-rows' CTAs: a batch whose CTAs overrun one wave then ends on halves. On the
-H200 at top-k 2048 that took 96 × 128 heads from 145.4 to 127.1 µs and 150
-× 64 from 153.9 to 140.8, merge included.)
+(With one split and `cut_rows`, the batch's last rows instead take
+`pieces` CTAs per head group, one per contiguous piece of their top-k list,
+after the whole rows' CTAs: a batch whose CTAs overrun one wave then ends on
+short pieces. On the H200 at top-k 2048, halves took 96 × 128 heads from
+145.4 to 127.1 µs and 150 × 64 from 153.9 to 140.8, merge included.)
 
 A row's keys are arbitrary cache slots. Warpgroup 2, the producer, gathers
 each 64-row tile of them straight into the swizzled wgmma operand tiles of a
@@ -51,7 +51,7 @@ kernel 4-5.5% at batch 128 on the H200. The f32 partials (two per thread and
 row: whole sectors) are stored from registers.
 
 With `cluster_merge`, a row's splits (n = 2, 4 or 8), or a cut row's two
-halves (`half_rows`; the whole rows' CTAs then go in pairs that merge
+halves (`cut_rows`, `pieces=2`; the whole rows' CTAs then go in pairs that merge
 nothing), are one cluster of CTAs that merge their partials themselves
 (`cluster.merge_row`), so that no combine kernel follows.
 """
@@ -140,7 +140,8 @@ def build_kernel(
     q_regs: int = 0,
     stage_out: bool = False,
     q_heads: int | None = None,
-    half_rows: int = 0,
+    cut_rows: int = 0,
+    pieces: int = 2,
     cluster_merge: bool = False,
 ):
   """Builds the kernel call.
@@ -178,15 +179,16 @@ def build_kernel(
   partials are written for its real rows alone (`layout.store_head_rows`),
   the rows the combine reads. None: q is padded already.
 
-  `half_rows` (with one split): the batch's last `half_rows` rows are cut
-  in two halves of their tiles (the first takes the odd tile), a CTA each,
-  after the whole rows' CTAs in the grid, and their halves' partial results
-  go to two more outputs, o `[half_rows, 2, heads_padded, 512]` and lse
-  `[half_rows, 2, heads_padded]` f32 (as several splits' are); the whole
-  rows' results are the first two outputs, as with one split, whose last
-  `half_rows` rows are left unwritten. Where a batch's CTAs overrun one wave
-  by up to half of one, the second wave is then short halves behind the
-  whole rows instead of whole rows (`config.wave_fill_rows`).
+  `cut_rows` (with one split): the batch's last `cut_rows` rows are cut
+  into `pieces` contiguous pieces of their tiles (piece i: tiles
+  `[i * n // pieces, (i + 1) * n // pieces)` of n), a CTA each, after the
+  whole rows' CTAs in the grid, and their pieces' partial results go to two
+  more outputs, o `[cut_rows, pieces, heads_padded, 512]` and lse
+  `[cut_rows, pieces, heads_padded]` f32 (as several splits' are); the
+  whole rows' results are the first two outputs, as with one split, whose
+  last `cut_rows` rows are left unwritten. Where a batch's CTAs overrun one
+  wave, the last one is then short pieces behind the whole rows instead of
+  whole rows (`config.wave_plan`).
 
   `cluster_merge` (with `num_splits` in `CLUSTER_SPLITS`): the splits of a
   row and head group are one cluster, which merges them in the kernel
@@ -196,26 +198,26 @@ def build_kernel(
   one's real rows alone) and lse `[batch, out_heads]` f32; two more, o
   `[batch, num_splits, heads_padded, 512]` and lse `[batch, num_splits,
   heads_padded]` f32, are the partials the cluster exchanged (without each
-  CTA's own pieces), of no use to the caller. With `half_rows` (an even
+  CTA's own pieces), of no use to the caller. With `cut_rows` (halves: an even
   number of whole rows) the clusters are of two CTAs: two whole rows, which
   merge nothing, or a cut row's halves, which merge each other's partials
   (exchanged through the two extra outputs) and store the row's result;
   nothing is left unwritten.
   """
   assert topk % (TILE * num_splits) == 0
-  assert half_rows == 0 or (num_splits == 1 and topk // TILE >= 2 and half_rows <= batch)
-  assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not half_rows) or (
-      num_splits == 1 and half_rows and (batch - half_rows) % 2 == 0)
+  assert cut_rows == 0 or (num_splits == 1 and 2 <= pieces <= topk // TILE
+                           and cut_rows <= batch)
+  assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not cut_rows) or (
+      num_splits == 1 and cut_rows and pieces == 2 and (batch - cut_rows) % 2 == 0)
   check_choice("q_regs", q_regs, Q_REGS)
   num_tiles = topk // (TILE * num_splits)  # per split, static
-  whole_rows = batch - half_rows
-  first_half = -(-num_tiles // 2)  # tiles of a cut row's first half
+  whole_rows = batch - cut_rows
   scale_log2 = float(sm_scale) * LOG2E
   dtype = jnp.bfloat16
   compiled = interpret is None
   bf16 = bf16_tile()
   direct = num_splits == 1  # no merge: the kernel writes the result
-  cluster_size = cluster_ctas(num_splits=num_splits, half_rows=half_rows,
+  cluster_size = cluster_ctas(num_splits=num_splits, cut_rows=cut_rows,
                               cluster_merge=cluster_merge)
   merge_cols = HALF // cluster_size  # value channels each consumer merges
   staged = stage_out and out_dtype == jnp.bfloat16
@@ -234,7 +236,7 @@ def build_kernel(
       idx_ref,  # [batch, topk] int32, GMEM
       o_ref,  # [batch, (num_splits,) out_heads, 512], GMEM
       lse_ref,  # [batch, (num_splits,) out_heads] f32, GMEM
-      *more_refs,  # half_rows: [half_rows, 2, heads_padded, (512)] f32; cluster_merge:
+      *more_refs,  # cut_rows: [cut_rows, pieces, heads_padded, (512)] f32; cluster_merge:
       # [batch, num_splits, heads_padded, (512)] f32 (GMEM)
   ):
     g = lax.axis_index("g")
@@ -247,28 +249,28 @@ def build_kernel(
 
     heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
     tok0 = split * (num_tiles * TILE)
-    n_tiles = num_tiles  # this CTA's tiles: static, except with half_rows
+    n_tiles = num_tiles  # this CTA's tiles: static, except with cut_rows
     whole = True
-    if half_rows and cluster_merge:
+    if cut_rows and cluster_merge:
       # Cluster b < whole_rows / 2: rows 2b and 2b + 1 whole, a CTA each; then
       # one cluster per cut row, its halves.
       pairs = whole_rows // 2
       whole = b < pairs
-      half = split
+      piece = split
       part = jnp.maximum(b - pairs, 0)  # the cut row's index among the cut rows
       b = jnp.where(whole, 2 * b + split, whole_rows + part)
-    elif half_rows:
-      # CTA b < whole_rows: row b whole; then two CTAs per cut row, its halves.
+    elif cut_rows:
+      # CTA b < whole_rows: row b whole; then `pieces` CTAs per cut row.
       cut = b - whole_rows
       whole = cut < 0
       cut = jnp.maximum(cut, 0)
-      half = lax.rem(cut, 2)
-      part = cut // 2  # the cut row's index among the cut rows
+      piece = lax.rem(cut, pieces)
+      part = cut // pieces  # the cut row's index among the cut rows
       b = jnp.where(whole, b, whole_rows + part)
-    if half_rows:
-      tok0 = jnp.where(whole, 0, half * (first_half * TILE))
-      n_tiles = jnp.where(whole, num_tiles, jnp.where(half == 0, first_half,
-                                                      num_tiles - first_half))
+    if cut_rows:
+      first = piece * num_tiles // pieces
+      tok0 = jnp.where(whole, 0, first * TILE)
+      n_tiles = jnp.where(whole, num_tiles, (piece + 1) * num_tiles // pieces - first)
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
                q_bar, idx_bar, free_bar, sync_bar,
@@ -330,7 +332,7 @@ def build_kernel(
           )
 
         for t in range(min(IDX_STAGES, num_tiles)):
-          if half_rows:
+          if cut_rows:
             pl.when(t < n_tiles)(lambda t=t: fetch_ids(t))
           else:
             fetch_ids(t)
@@ -417,7 +419,7 @@ def build_kernel(
 
         # Observe the releases of the last tiles too, so that every barrier
         # phase is consumed before the barriers go away.
-        if half_rows:
+        if cut_rows:
           for k in range(NUM_STAGES):
             i = n_tiles - NUM_STAGES + k
             pl.when(i >= 0)(lambda i=i: plgpu.barrier_wait(free_bar.at[lax.rem(i, NUM_STAGES)]))
@@ -427,7 +429,7 @@ def build_kernel(
         if cluster_merge and compiled:
           # Every thread of the cluster arrives (a cluster of whole rows
           # merges nothing and meets nowhere).
-          if half_rows:
+          if cut_rows:
             pl.when(~whole)(cluster_sync)
           else:
             cluster_sync()
@@ -485,7 +487,7 @@ def build_kernel(
         def store_result():
           # The row's result, as `combine_splits` of one split gives it: 0
           # where no index is valid (also where "multiply" met NaN there).
-          # (A whole row's last tile is in `last_stage`, with half_rows too.)
+          # (A whole row's last tile is in `last_stage`, with cut_rows too.)
           has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
           res = jnp.where(has, o, 0.0).astype(out_dtype)
           if stage_out:
@@ -530,13 +532,13 @@ def build_kernel(
               cluster_bar=None if compiled else cluster_bar,
               stage_ref=merge_stage.at[wg] if stage_merged else None, lse_stage_ref=lse_stage)
 
-        if half_rows:
-          half_o, half_lse = more_refs
+        if cut_rows:
+          cut_o, cut_lse = more_refs
           pl.when(whole)(store_result)
           if cluster_merge:
-            pl.when(~whole)(lambda: merge_in_cluster(half_o.at[part], half_lse.at[part]))
+            pl.when(~whole)(lambda: merge_in_cluster(cut_o.at[part], cut_lse.at[part]))
           else:
-            pl.when(~whole)(lambda: store_partial(half_o.at[part, half], half_lse.at[part, half]))
+            pl.when(~whole)(lambda: store_partial(cut_o.at[part, piece], cut_lse.at[part, piece]))
         elif cluster_merge:
           part_o, part_lse = more_refs
           merge_in_cluster(part_o.at[b], part_lse.at[b])
@@ -597,15 +599,16 @@ def build_kernel(
   # explicit commit_smem or an mbarrier.
   result = (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
             jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
-  if cluster_merge and not half_rows:
+  if cluster_merge and not cut_rows:
     out_type = (*result, *split_outputs(batch, num_splits, heads_padded))
   elif direct:
-    out_type = (*result, *(split_outputs(half_rows, 2, heads_padded) if half_rows else ()))
+    out_type = (*result, *(split_outputs(cut_rows, pieces, heads_padded) if cut_rows else ()))
   else:
     out_type = split_outputs(batch, num_splits, heads_padded)
   # With cluster_merge the splits (or two CTAs: two whole rows, or a cut
   # row's halves) are the cluster's axis, its CTAs side by side.
-  rows = (batch + half_rows) // 2 if cluster_merge and half_rows else batch + half_rows
+  rows = (batch + cut_rows) // 2 if cluster_merge and cut_rows else (
+      batch + (pieces - 1) * cut_rows)
   return launch(
       sparse_mla_decode_kernel,
       grid=(rows, *(() if cluster_merge else (num_splits,)), heads_padded // HEAD_TILE),

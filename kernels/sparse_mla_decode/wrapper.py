@@ -85,18 +85,19 @@ def sparse_mla_decode(
           f"{config.num_splits=} must divide {topk=} into multiples of"
           f" {_kernel.TILE} indices"
       )
-    half_rows = rows_to_cut(config, batch=batch, num_heads=heads, topk=topk)
-    if half_rows and (half_rows > batch or topk < 2 * _kernel.TILE):
+    cut = rows_to_cut(config, batch=batch, num_heads=heads, topk=topk)
+    if cut.rows and (cut.rows > batch or topk < cut.pieces * _kernel.TILE):
       raise ValueError(
-          f"{config.half_rows=} must be at most batch = {batch}, with topk = {topk} of at"
-          f" least {2 * _kernel.TILE} indices (two halves of a tile or more)"
+          f"{config.cut_rows=} must be at most batch = {batch}, with topk = {topk} of at"
+          f" least {cut.pieces} x {_kernel.TILE} indices ({cut.pieces} pieces of a tile or"
+          f" more; {config.pieces=})"
       )
-    cluster_merge = merges_in_cluster(config, batch=batch, num_heads=heads, half_rows=half_rows)
+    cluster_merge = merges_in_cluster(config, batch=batch, num_heads=heads, cut=cut)
     interpret = resolve_interpret(interpret)
     if interpret is not None:
       # The interpreter runs all the CTAs of a cluster at once (a cut row's
       # halves: two).
-      cluster = cluster_ctas(num_splits=config.num_splits, half_rows=half_rows,
+      cluster = cluster_ctas(num_splits=config.num_splits, cut_rows=cut.rows,
                              cluster_merge=cluster_merge)
       require_interpreter_threads(_kernel.NUM_THREADS * cluster, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
@@ -111,7 +112,8 @@ def sparse_mla_decode(
         interpret=interpret,
         q_regs=config.q_regs,
         stage_out=config.stage_out,
-        half_rows=half_rows,
+        cut_rows=cut.rows,
+        pieces=cut.pieces,
         cluster_merge=cluster_merge,
     )
 
@@ -155,11 +157,11 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
-                     "pad_heads", "half_rows", "cluster_merge"),
+                     "pad_heads", "cut_rows", "pieces", "cluster_merge"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
-    pad_heads=False, half_rows=0, cluster_merge=False,
+    pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
@@ -183,7 +185,8 @@ def _sparse_mla_decode(
       q_regs=q_regs,
       stage_out=stage_out,
       q_heads=q_heads,
-      half_rows=half_rows,
+      cut_rows=cut_rows,
+      pieces=pieces,
       cluster_merge=cluster_merge,
   )
   o, lse, *more = call(qp, rows, indices)
@@ -191,13 +194,13 @@ def _sparse_mla_decode(
     return real_heads(o, lse, heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
     out, lse = real_heads(o, lse, heads)
-    if not half_rows:
+    if not cut_rows:
       return out, lse
-    # The last rows' halves ([half_rows, 2, hp, 512], [half_rows, 2, hp] f32),
-    # merged into the rows the kernel left unwritten.
+    # The last rows' pieces ([cut_rows, pieces, hp, 512], [cut_rows, pieces,
+    # hp] f32), merged into the rows the kernel left unwritten.
     cut_o, cut_lse = combine_splits(more[0][:, :, :heads], more[1][:, :, :heads],
                                     empty_nan=not select)
-    whole = batch - half_rows
+    whole = batch - cut_rows
     # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
     # from taking the kernel's call into the update of its own output, where
     # it finds a cycle and fails (jax 0.11.2). Slices and a concatenation in
