@@ -254,7 +254,7 @@ def main(argv=None) -> int:
                               cut_rows=10 if halves else None if cm is not None else base.cut_rows,
                               pieces=2 if halves else base.pieces)
     if cut_rows and cfg.num_splits == 1 and not halves:  # rows 6-7 (with -1s) among those cut at 10
-      cfg = dataclasses.replace(cfg, cut_rows=min(cut_rows, 16))
+      cfg = dataclasses.replace(cfg, cut_rows=min(cut_rows, 16), pieces=args.pieces)
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
     clean, _ = f(cache, "select")
     sel, _ = f(poisoned, "select")
@@ -277,13 +277,16 @@ def main(argv=None) -> int:
   far = jnp.where(jnp.arange(TOPK) % 3 == 0, n, jnp.where(jnp.arange(TOPK) % 3 == 1, -7, 2**31 - 1))
   odd = jnp.where(idx < 0, far[None, :].astype(jnp.int32), idx)
   poisoned = cache.reshape(-1, 576).at[n - 1].set(jnp.nan).reshape(cache.shape)
-  cfg = _pallas_config(args.splits, 16, 64, cut_rows=cut_rows, pieces=args.pieces)
+  # (With `--cut-rows N`, one split, so that the rows are cut.)
+  cfg = _pallas_config(args.splits or (1 if cut_rows else 0), 16, 64, cut_rows=cut_rows,
+                       pieces=args.pieces)
   for mode in args.modes:
     f = lambda i, mode=mode: sparse_mla_decode(q, poisoned, i, sm_scale=SCALE, mask_mode=mode,
                                                config=cfg)
     same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(f(odd), f(idx)))
     ok &= same
-    print(f"ids outside the cache ({mode}): bit-equal to -1: {same}")
+    print(f"ids outside the cache ({mode}, {cfg.num_splits} splits, cut_rows {cfg.cut_rows},"
+          f" pieces {cfg.pieces}): bit-equal to -1: {same}")
 
   print("\nbatch heads  topk invalid mode/q_regs           us  kernel    TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")

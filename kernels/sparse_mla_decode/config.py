@@ -127,14 +127,22 @@ class RowCut(NamedTuple):
   pieces: int
 
 
-# The cost model of `wave_plan`, in µs on the H200 (top-k 2048, 2026-12-03/04:
+# The cost model of `wave_plan`, in µs on the H200 (top-k 2048, 2026-12-04:
 # 32 tiles in ~75 µs per CTA under a full machine, 8.4 µs for a lone CTA of
-# one tile; XLA's combine of the cut rows 4-12 µs after the kernel).
+# one tile; XLA's combine of the cut rows 3.8-9.2 µs after the kernel, for
+# 1 to 18 rows in 4-32 pieces, 2-17 MB of partials).
 TILE_US = 2.25  # a CTA's 64-index tile while every SM streams
 CTA_US = 5.0  # a CTA's fixed cost: its query, its first gather, its epilogue
-COMBINE_US = 5.0  # the combine after the kernel, plus ...
-COMBINE_ROW_US = 0.1  # ... per cut row
-PLAN_PIECES = (2, 4, 8, 16, 32)  # the piece counts `wave_plan` weighs
+COMBINE_US = 4.5  # the combine after the kernel, plus ...
+COMBINE_MB_US = 0.25  # ... per MB of the partials it reads (~4 TB/s)
+# The piece counts `wave_plan` weighs. (Measured on the H200, 2026-12-04,
+# µs end to end: 16 pieces against 8 ran 93.0 / 95.3 at 67 x 128 heads (one
+# row cut) and 101.5 / 103.4 at 133 x 64, but 99.7 / 96.8 at 70 x 128 (four
+# rows) and 100.2 / 97.5 at 140 x 16 (eight); 32 against 16, 94.2 / 93.0 and
+# 102.8 / 101.5. Within the model's error (±4 µs) 8 pieces are as fast and
+# give the combine half the partials to read.)
+PLAN_PIECES = (2, 4, 8)
+LATENT_F32_BYTES = 512 * 4  # a partial's row
 
 
 def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
@@ -158,10 +166,12 @@ def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> fl
   return max(end, hi)
 
 
-def plan_cost(*, batch: int, groups: int, tiles: int, cut: RowCut, num_sms: int = 132) -> float:
+def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
+              num_sms: int = 132) -> float:
   """`wave_plan`'s modelled time of a one-split call (µs): its CTAs' span,
   plus the combine of the cut rows unless they are halves that pair up
   (merged in the kernel's clusters)."""
+  groups = -(-num_heads // 64)
   cta = tiles * TILE_US + CTA_US
   if not cut.rows:
     return -(-batch * groups // num_sms) * cta
@@ -172,7 +182,8 @@ def plan_cost(*, batch: int, groups: int, tiles: int, cut: RowCut, num_sms: int 
   span = _span(whole, cut.rows * groups * cut.pieces, cta, piece, num_sms)
   if halves_pair_up(batch=batch, cut_rows=cut.rows, pieces=cut.pieces):
     return span
-  return span + COMBINE_US + COMBINE_ROW_US * cut.rows
+  partials_mb = cut.rows * cut.pieces * num_heads * LATENT_F32_BYTES / 1e6
+  return span + COMBINE_US + COMBINE_MB_US * partials_mb
 
 
 @functools.lru_cache(maxsize=256)
@@ -197,12 +208,13 @@ def wave_plan(
   if num_splits != 1 or tiles < 2 or not num_sms < batch * groups <= 2 * num_sms:
     return none
   choices = [p for p in ((pieces,) if pieces else PLAN_PIECES) if p <= tiles]
-  best, best_cost = none, plan_cost(batch=batch, groups=groups, tiles=tiles, cut=none,
+  best, best_cost = none, plan_cost(batch=batch, num_heads=num_heads, tiles=tiles, cut=none,
                                     num_sms=num_sms)
   for n in choices:
     for rows in range(max(1, batch - num_sms // groups), batch + 1):
       cut = RowCut(rows, n)
-      cost = plan_cost(batch=batch, groups=groups, tiles=tiles, cut=cut, num_sms=num_sms)
+      cost = plan_cost(batch=batch, num_heads=num_heads, tiles=tiles, cut=cut,
+                       num_sms=num_sms)
       if cost < best_cost - 1e-6:
         best, best_cost = cut, cost
   return best
