@@ -21,6 +21,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
     heuristic_config,
     merges_in_cluster,
     plan_cost,
+    rows_to_cut,
     wave_plan,
     RowCut,
     _span,
@@ -373,6 +374,13 @@ def test_halves_merge_in_clusters_where_they_pair_up():
     SparseMLADecodeConfig(cut_rows=0, cluster_merge=True)
   with pytest.raises(ValueError, match="cluster_merge"):
     SparseMLADecodeConfig(cut_rows=2, pieces=4, cluster_merge=True)
+  # Forced, the automatic plan cuts halves that pair up, even where more pieces
+  # would be its choice.
+  for batch, heads in ((67, 128), (150, 64), (97, 128)):
+    cut = rows_to_cut(forced, batch=batch, num_heads=heads, topk=2048)
+    assert cut.pieces == 2 and cut.rows and (batch - cut.rows) % 2 == 0, cut
+    assert merges_in_cluster(forced, batch=batch, num_heads=heads, cut=cut)
+  assert rows_to_cut(auto, batch=67, num_heads=128, topk=2048).pieces == 8
   q, cache, idx = _inputs(0, 3, 64, 128)
   with pytest.raises(ValueError, match="cluster_merge"):  # one whole row: no pair
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=FAST,

@@ -57,7 +57,8 @@ class SparseMLADecodeConfig:
       head group. None: `wave_plan`'s (a cost model of the CTAs' waves: where
       one CTA per row and head group overruns one wave, a few rows cut into
       many short pieces fill the SMs the whole rows leave, or more rows cut
-      in halves make two even waves); 0: none. On the H200 (top-k 2048,
+      in halves make two even waves; with `cluster_merge=True`, halves that
+      pair up alone); 0: none. On the H200 (top-k 2048,
       2026-12-03) halves took 96 x 128 heads from 145.4 to 127.1 µs and 150
       x 64 from 153.9 to 140.8 (NOTES.md).
     pieces: how many pieces a cut row is cut into (2 to 32, at most the
@@ -189,7 +190,7 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
 @functools.lru_cache(maxsize=256)
 def wave_plan(
     *, batch: int, num_heads: int, topk: int, num_splits: int, pieces: int | None = None,
-    num_sms: int = 132,
+    pairs_only: bool = False, num_sms: int = 132,
 ) -> RowCut:
   """The rows to cut and their pieces (`SparseMLADecodeConfig.cut_rows=None`).
 
@@ -198,8 +199,9 @@ def wave_plan(
   few whole rows behind all the others. This cuts the batch's last rows into
   pieces so that the SMs the whole rows leave free, and all of them after,
   take short pieces instead: the count of rows and of pieces (`PLAN_PIECES`,
-  or `pieces` alone) that `plan_cost`'s model of the waves ends soonest,
-  cutting nothing where no cut beats the whole rows' waves. No cut with
+  or `pieces` alone; with `pairs_only`, halves that pair up alone) that
+  `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
+  beats the whole rows' waves. No cut with
   several splits, within one wave or past two, and for a one-tile list.
   """
   tiles = topk // TILE
@@ -207,12 +209,15 @@ def wave_plan(
   groups = -(-num_heads // 64)
   if num_splits != 1 or tiles < 2 or not num_sms < batch * groups <= 2 * num_sms:
     return none
-  choices = [p for p in ((pieces,) if pieces else PLAN_PIECES) if p <= tiles]
+  choices = [p for p in ((2,) if pairs_only else (pieces,) if pieces else PLAN_PIECES)
+             if p <= tiles]
   best, best_cost = none, plan_cost(batch=batch, num_heads=num_heads, tiles=tiles, cut=none,
                                     num_sms=num_sms)
   for n in choices:
     for rows in range(max(1, batch - num_sms // groups), batch + 1):
       cut = RowCut(rows, n)
+      if pairs_only and not halves_pair_up(batch=batch, cut_rows=rows, pieces=n):
+        continue
       cost = plan_cost(batch=batch, num_heads=num_heads, tiles=tiles, cut=cut,
                        num_sms=num_sms)
       if cost < best_cost - 1e-6:
@@ -223,11 +228,13 @@ def wave_plan(
 def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
                 topk: int) -> RowCut:
   """`config.cut_rows` and `config.pieces` (2 where None), or where `cut_rows`
-  is None, `wave_plan` for this shape (for `config.pieces` alone if set)."""
+  is None, `wave_plan` for this shape (for `config.pieces` alone if set; for
+  halves that pair up alone with `cluster_merge=True`, which merges them)."""
   if config.cut_rows is not None:
     return RowCut(config.cut_rows, config.pieces or 2)
   return wave_plan(batch=batch, num_heads=num_heads, topk=topk,
-                   num_splits=config.num_splits, pieces=config.pieces)
+                   num_splits=config.num_splits, pieces=config.pieces,
+                   pairs_only=bool(config.cluster_merge) and config.pieces in (None, 2))
 
 
 def halves_pair_up(*, batch: int, cut_rows: int, pieces: int = 2) -> bool:
