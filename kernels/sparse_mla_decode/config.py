@@ -58,9 +58,11 @@ class SparseMLADecodeConfig:
       one CTA per row and head group overruns one wave, a few rows cut into
       many short pieces fill the SMs the whole rows leave, or more rows cut
       in halves make two even waves; with `cluster_merge=True`, halves that
-      pair up alone); 0: none. On the H200 (top-k 2048,
-      2026-12-03) halves took 96 x 128 heads from 145.4 to 127.1 µs and 150
-      x 64 from 153.9 to 140.8 (NOTES.md).
+      pair up alone); 0: none. On the H200 (top-k 2048), halves took 96 x
+      128 heads from 145.4 to 127.1 µs and 150 x 64 from 153.9 to 140.8
+      (2026-12-03); one row in 8 pieces took 67 x 128 from 119.1 (halves in
+      clusters) to 95.4 and 133 x 64 from 129.8 to 103.6 (2026-12-04;
+      NOTES.md).
     pieces: how many pieces a cut row is cut into (2 to 32, at most the
       list's 64-index tiles): None with `cut_rows=None`, `wave_plan`'s; None
       with `cut_rows` set, 2 (halves).
