@@ -48,7 +48,7 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_plan,
     mla_decode_reference,
 )
-from jaxkv.kernels.mla_decode import merge
+from jaxkv.kernels.mla_decode import merge_tiling
 from jaxkv.kernels.mla_decode.config import default_config, heuristic_config
 from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
@@ -338,7 +338,7 @@ def check_same_result(rng, names):
 
 
 def check_grouped(rng, kernel_kw):
-  """The grouped merge (`merge.use_grouped`, partials in `merge.wide_partials`'
+  """The grouped merge (`merge_tiling.use_grouped`, partials in `merge_tiling.wide_partials`'
   layout) on the plans that take it by default (1 x 128 heads, 8 channels per
   merge CTA; 4 x 64, 16 channels; 8 x 64 at 27 splits, 8 channels), and
   forced on rows of 20-40 splits that would take the per-split ring: the
@@ -361,9 +361,9 @@ def check_grouped(rng, kernel_kw):
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
     err, lerr, finite = errors(out, lse, ro, rl)
     if forced:  # where `_mla_decode(grouped=True)` can take it
-      taken = merge.can_group(plan.num_splits)
+      taken = merge_tiling.can_group(plan.num_splits)
     else:
-      taken = merge.use_grouped(batch=len(lens_np), head_groups=-(-heads // 64),
+      taken = merge_tiling.use_grouped(batch=len(lens_np), head_groups=-(-heads // 64),
                                 num_splits=plan.num_splits)
     print(f"grouped merge: {len(lens_np)} x {heads}, {plan.num_splits} splits, grouped {taken}"
           f"{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e}")

@@ -128,7 +128,7 @@ def test_matches_reference(seq_lens, heads, splits, interpret):
     )
     assert (np.diff(np.asarray(plan.bounds), axis=1) > 0).sum(axis=1).max() >= 2
     if plan.num_splits > 16:  # the merge path the comments above name
-      from jaxkv.kernels.mla_decode.merge import use_grouped
+      from jaxkv.kernels.mla_decode.merge_tiling import use_grouped
 
       grouped = use_grouped(batch=len(seq_lens), head_groups=-(-heads // 64), num_splits=plan.num_splits)
       assert grouped == {(3, 32): True, (3, 64): True, (1, 48): False, (1, 128): True}[len(seq_lens), heads]
@@ -426,15 +426,15 @@ def test_compiled_kernels_lower_for_hopper(block_size, select, finish_rows, kv_s
 
 
 def test_grouped_merge_lowers_with_bulk_copies():
-  """The grouped merge's partials (`merge.wide_partials`' layout, which the
+  """The grouped merge's partials (`merge_tiling.wide_partials`' layout, which the
   decode kernel stores with `partial_cols`) come in by bulk copies, the
   row's LSE in one and whole groups of splits in each other, not by TMA
   boxes of narrow rows. Lowered for CUDA on the CPU, both kernels at 1 x 128 x 128K's
   shape (67 splits, 8 channels per merge CTA)."""
-  from jaxkv.kernels.mla_decode import kernel, merge
+  from jaxkv.kernels.mla_decode import kernel, merge, merge_tiling
 
   batch, hp, splits, parts = 1, 128, 67, 66
-  cols, _ = merge.grouped_tiling(batch=batch, head_groups=2, num_splits=splits)
+  cols, _ = merge_tiling.grouped_tiling(batch=batch, head_groups=2, num_splits=splits)
   assert cols == 8
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   decode = kernel.build_kernel(
@@ -811,8 +811,8 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   split over the whole row) exactly as they were. With `group` the splits
   come 8 per copy (the last copy overlapping the one before it at 9 and 20)
   and, with one group in flight, the ring refills behind the reads."""
-  from jaxkv.kernels.mla_decode.merge import (
-      build_merge, merge_tiling, wide_partials)
+  from jaxkv.kernels.mla_decode.merge import build_merge
+  from jaxkv.kernels.mla_decode.merge_tiling import merge_tiling, wide_partials
 
   rng = np.random.default_rng(12)
   batch, heads = 5, 128
@@ -864,8 +864,8 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
 
 def test_merge_path_by_plan_shape():
   """Which merge rows of many splits take, and the grouped merge's tiling:
-  the shapes measured on the H200 (merge.use_grouped's docstring)."""
-  from jaxkv.kernels.mla_decode.merge import GROUP_SMEM, grouped_tiling, use_grouped
+  the shapes measured on the H200 (merge_tiling.use_grouped's docstring)."""
+  from jaxkv.kernels.mla_decode.merge_tiling import GROUP_SMEM, grouped_tiling, use_grouped
 
   cases = {  # (batch, head groups, splits): (grouped, cols, groups in flight)
       (1, 2, 67): (True, 8, 9),  # 1 x 128 x 128K: every group in flight
@@ -888,7 +888,8 @@ def test_merge_in_two_passes_matches_combine():
   """Chunks of a row's live splits first (split 0 alone, then 3 at a time),
   then the chunks' results: the same merge as one pass, NaN in the dead splits
   never read; a row whose live splits start past its first tile included."""
-  from jaxkv.kernels.mla_decode.merge import build_merge, chunk_edge, chunk_edges
+  from jaxkv.kernels.mla_decode.merge import build_merge
+  from jaxkv.kernels.mla_decode.merge_tiling import chunk_edge, chunk_edges
 
   rng = np.random.default_rng(13)
   batch, splits, heads, chunk = 3, 8, 64, 3
@@ -1026,13 +1027,13 @@ def test_merge_output_staged_in_smem_matches_direct_stores(splits, grouped, sms,
     ],
 )
 def test_packed_merge_matches_one_row_per_cta(heads, seq_lens, sms):
-  """`merge.build_packed_merge` (rows of 8-32 heads stacked in one CTA's
+  """`packed_merge.build_packed_merge` (rows of 8-32 heads stacked in one CTA's
   tile): the per-row ring's result, clean in "select" (and right) and
   poisoned in "multiply" (the same NaN rows), with empty rows, rows the
   kernel finished, and stacked rows past the batch. The same arithmetic,
   but not bit for bit here: the interpreter's XLA fuses the packed step's
   multiply-adds differently (an f32 rounding, up to one bf16 ulp of out)."""
-  from jaxkv.kernels.mla_decode.merge import pack_rows
+  from jaxkv.kernels.mla_decode.packed_merge import pack_rows
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
   q, cache, table, lens = _problem(41, seq_lens, heads)
@@ -1062,10 +1063,10 @@ def test_packed_merge_matches_one_row_per_cta(heads, seq_lens, sms):
 
 @pytest.mark.parametrize("heads,finish_rows", [(16, False), (8, True)])
 def test_packed_merge_lowers_for_hopper(heads, finish_rows):
-  from jaxkv.kernels.mla_decode import merge
+  from jaxkv.kernels.mla_decode import packed_merge
 
   batch, splits = 5, 3
-  call = merge.build_packed_merge(
+  call = packed_merge.build_packed_merge(
       batch=batch, num_splits=splits, heads=heads, dv=512, max_tokens=512,
       out_dtype=jnp.bfloat16, interpret=None, finish_rows=finish_rows)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -1118,7 +1119,7 @@ def test_unpadded_heads_lower_for_hopper(heads, kv_swizzle, group):
   """The compiled decode kernel with an unpadded query (its zeroed rows and
   the last head group's shorter copies) and the merge storing the real heads
   alone (ring or grouped) lower for CUDA here."""
-  from jaxkv.kernels.mla_decode import kernel, merge
+  from jaxkv.kernels.mla_decode import kernel, merge, merge_tiling
 
   batch, parts, mb = 2, 4, 8
   hp = -(-heads // 64) * 64
@@ -1126,7 +1127,7 @@ def test_unpadded_heads_lower_for_hopper(heads, kv_swizzle, group):
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   tiling = {}
   if group:
-    cols, stages = merge.grouped_tiling(batch=batch, head_groups=hp // 64, num_splits=splits)
+    cols, stages = merge_tiling.grouped_tiling(batch=batch, head_groups=hp // 64, num_splits=splits)
     tiling = dict(cols=cols, stages=stages)
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits, block_size=64,

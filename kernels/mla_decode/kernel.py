@@ -148,7 +148,7 @@ def build_kernel(
   of rows cut into several), out `[batch, heads_padded, 512]` bf16 and lse_out
   `[batch, heads_padded]` f32 (written only for rows that one segment covers
   whole: split 0, from the row's first tile to its last; the merge writes
-  every other row, `merge.kernel_wrote_row`). `finish_rows` pays where parts
+  every other row, `merge_tiling.kernel_wrote_row`). `finish_rows` pays where parts
   are longer than rows (128 heads at 4K-8K: half the rows whole, whose f32
   round trip and merge it saves); where few rows are whole, the branch in the
   epilogue cost 1-4% on the H200 (kernels/mla_decode/NOTES.md).
@@ -263,7 +263,7 @@ def build_kernel(
       """The row's tiles in this part: (first tile, count, split index, whole).
 
       `whole`: the segment is split 0 and runs from the row's first tile to
-      its last, so it is the row's result (`merge.kernel_wrote_row` on the
+      its last, so it is the row's result (`merge_tiling.kernel_wrote_row` on the
       plan's bounds agrees for every plan that `mla_decode_plan` makes).
       None without `finish_rows`.
       """

@@ -183,7 +183,7 @@ def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
   `[batch, num_splits, heads_padded, 512]` and LSE `[batch, num_splits,
   heads_padded]`, or with `partial_cols` O `[batch, 512 / partial_cols,
   heads_padded / 64, num_splits, 64, partial_cols]` and LSE `[batch,
-  heads_padded / 64, num_splits, 64]` (`merge.wide_partials` of the first
+  heads_padded / 64, num_splits, 64]` (`merge_tiling.wide_partials` of the first
   two)."""
   groups = heads_padded // HEAD_TILE
   if partial_cols is None:

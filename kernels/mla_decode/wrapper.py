@@ -22,6 +22,8 @@ from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from . import kernel as _kernel
 from . import layout as _layout
 from . import merge as _merge
+from . import merge_tiling as _tiling
+from . import packed_merge as _packed
 from .config import MLADecodeConfig, default_config
 from .plan import MLADecodePlan, mla_decode_plan
 from .reference import MASK_MODES
@@ -172,19 +174,19 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # registers in whole head groups); otherwise the padded result is cut here.
   out_rows = heads if q_rows == heads and stage_merge_out and not finish_rows else heads_padded
   # Rows of many splits (batch 1-4 past 32 splits; 17-32 with one head
-  # group): one grouped pass (`merge.use_grouped`; `grouped` True / False
+  # group): one grouped pass (`merge_tiling.use_grouped`; `grouped` True / False
   # forces it where it can run / keeps it off, `group_cols` sets its channels
   # per CTA), which reads the partials in its own layout.
   head_groups = heads_padded // _layout.HEAD_TILE
   if grouped is None:
-    group = _merge.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
+    group = _tiling.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   else:
-    group = grouped and _merge.can_group(plan.num_splits)
+    group = grouped and _tiling.can_group(plan.num_splits)
   # One tiling for both: the decode kernel stores its partials in the grouped
   # merge CTAs' layout, `partial_cols` channels each.
   tiling = {}
   if group:
-    cols, stages = _merge.grouped_tiling(
+    cols, stages = _tiling.grouped_tiling(
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols)
     tiling = dict(cols=cols, stages=stages)
   call = _kernel.build_kernel(
@@ -199,11 +201,11 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
       batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
   )
-  if not group and plan.num_splits > _merge.MAX_SPLITS:
+  if not group and plan.num_splits > _tiling.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
     # merged in chunks first (a CTA per chunk as well), then the chunks'
     # results as the rows' splits.
-    chunk = _merge.CHUNK
+    chunk = _tiling.CHUNK
     first = _merge.build_merge(
         num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
         partial_heads=q_rows, **merge_args)
@@ -216,12 +218,12 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
     return _layout.real_heads(out, lse_out, heads)
   # Rows of few heads (8-32, one head group): several rows' heads stacked in
-  # one CTA's tile (`merge.build_packed_merge`; `pack=False` keeps a CTA per
+  # one CTA's tile (`packed_merge.build_packed_merge`; `pack=False` keeps a CTA per
   # row, the benchmark's A/B).
-  rows_per_cta = _merge.pack_rows(heads=q_rows, head_groups=head_groups,
+  rows_per_cta = _packed.pack_rows(heads=q_rows, head_groups=head_groups,
                                   num_splits=plan.num_splits)
   if pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2:
-    merge = _merge.build_packed_merge(
+    merge = _packed.build_packed_merge(
         batch=batch, num_splits=plan.num_splits, heads=q_rows, dv=_layout.LATENT,
         max_tokens=max_blocks * block_size, out_dtype=q.dtype, interpret=interpret,
         finish_rows=finish_rows,
