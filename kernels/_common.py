@@ -1,4 +1,5 @@
-"""Shared plumbing for every kernel: the interpret switch and tuned-config lookup."""
+"""Shared plumbing for every kernel: the interpret switch, the device's SM count and
+tuned-config lookup."""
 
 from __future__ import annotations
 
@@ -77,9 +78,28 @@ def _has_gpu() -> bool:
     return False
 
 
+def first_device():
+  """The device whose kind and SM count pick configs and plans: JAX's first."""
+  return jax.devices()[0]
+
+
+# Multiprocessors a plan counts where no GPU reports its own (the CPU and its
+# interpreter): an H100 SXM's or H200's, so that plans made there are the H200's.
+DEFAULT_SMS = 132
+
+
+def num_sms() -> int:
+  """The first device's multiprocessors where it is a GPU that reports them
+  (`Device.core_count`: 132 on an H200, 114 on an H100 PCIe), else
+  `DEFAULT_SMS`. Plans and heuristics size their grids by it."""
+  device = first_device()
+  count = getattr(device, "core_count", None) if device.platform in ("gpu", "cuda") else None
+  return count if isinstance(count, int) and count > 0 else DEFAULT_SMS
+
+
 def device_kind() -> str:
   """A file-name-safe name of the first device, e.g. `nvidia_h200`."""
-  kind = jax.devices()[0].device_kind
+  kind = first_device().device_kind
   return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
 
 

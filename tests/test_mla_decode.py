@@ -1148,3 +1148,27 @@ def test_unpadded_heads_lower_for_hopper(heads, kv_swizzle, group):
   text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+class _H100PCIe:
+  """A GPU device as JAX reports one: 114 multiprocessors, no tuned configs."""
+
+  platform = "gpu"
+  device_kind = "NVIDIA H100 PCIe"
+  core_count = 114
+
+
+def test_plans_count_the_devices_sms(monkeypatch):
+  """A GPU that reports its multiprocessors (`core_count`) sizes the split
+  plan and the heuristic config; the CPU counts an H200's 132."""
+  from jaxkv.kernels import _common
+
+  assert _common.num_sms() == _common.DEFAULT_SMS == 132
+  lens = jnp.full((128,), 4096, jnp.int32)
+  assert mla_decode_plan(lens, num_heads=64).num_parts == 132
+  monkeypatch.setattr(_common, "first_device", _H100PCIe)
+  assert _common.num_sms() == 114 and _common.device_kind() == "nvidia_h100_pcie"
+  assert mla_decode_plan(lens, num_heads=64).num_parts == 114
+  assert mla_decode_plan(lens, num_heads=128).num_parts == 57
+  assert heuristic_config(batch=1, num_heads=64) == heuristic_config(
+      batch=1, num_heads=64, num_sms=114) != heuristic_config(batch=1, num_heads=64, num_sms=132)

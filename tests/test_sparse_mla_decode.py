@@ -712,3 +712,29 @@ def test_heads_below_a_head_group_need_no_pad_or_slice(heads, stage_out, pad, cu
          for e in call.params["jaxpr"].eqns}
   assert ("pad" in ops) == pad
   assert ("slice" in ops) == cut
+
+
+class _H100PCIe:
+  """A GPU device as JAX reports one: 114 multiprocessors, no tuned configs."""
+
+  platform = "gpu"
+  device_kind = "NVIDIA H100 PCIe"
+  core_count = 114
+
+
+def test_wave_plan_counts_the_devices_sms(monkeypatch):
+  """The automatic cut and the heuristic split count take the device's
+  multiprocessors: 60 x 128 heads (120 CTAs) is one wave of an H200's 132
+  SMs, and overruns one of 114."""
+  from jaxkv.kernels import _common
+
+  auto = SparseMLADecodeConfig()
+  assert rows_to_cut(auto, batch=60, num_heads=128, topk=2048) == (0, 2)
+  monkeypatch.setattr(_common, "first_device", _H100PCIe)
+  cut = rows_to_cut(auto, batch=60, num_heads=128, topk=2048)
+  assert cut.rows > 0 and cut == wave_plan(batch=60, num_heads=128, topk=2048, num_splits=1,
+                                           num_sms=114)
+  assert heuristic_config(batch=2, num_heads=128, topk=2048) == heuristic_config(
+      batch=2, num_heads=128, topk=2048, num_sms=114)
+  assert heuristic_config(batch=2, num_heads=128, topk=2048, num_sms=114) != heuristic_config(
+      batch=2, num_heads=128, topk=2048, num_sms=132)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from jaxkv.kernels._common import device_kind, load_tuning
+from jaxkv.kernels._common import num_sms as device_sms
 
 OP = "mla_decode"
 MAX_SPLITS = 256
@@ -72,7 +73,7 @@ class MLADecodeConfig:
     check_choice("q_regs", self.q_regs, Q_REGS)
 
 
-def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADecodeConfig:
+def heuristic_config(*, batch: int, num_heads: int, num_sms: int | None = None) -> MLADecodeConfig:
   """A config for any device: one CTA per SM, rows cut as often as balance needs.
 
   With `P` parts per head group, a row of average length spans about
@@ -80,6 +81,8 @@ def heuristic_config(*, batch: int, num_heads: int, num_sms: int = 132) -> MLADe
   without lengthening the parts. The merge reads every split slot, so no
   more are reserved than that.
   """
+  if num_sms is None:
+    num_sms = device_sms()
   head_groups = -(-num_heads // 64)
   parts = max(1, num_sms // head_groups)
   splits = -(-3 * parts // (2 * max(batch, 1))) + 2
@@ -112,11 +115,12 @@ def config_from_entries(
   return None
 
 
-def default_config(*, batch: int, num_heads: int) -> MLADecodeConfig:
-  """The tuned config of this device where one matches, else the heuristic."""
+def default_config(*, batch: int, num_heads: int, num_sms: int | None = None) -> MLADecodeConfig:
+  """The tuned config of this device where one matches, else the heuristic
+  (for `num_sms` multiprocessors; None: the device's)."""
   tuned = load_tuning(OP, device_kind())
   if tuned is not None:
     config = config_from_entries(tuned["entries"], batch=batch, num_heads=num_heads)
     if config is not None:
       return config
-  return heuristic_config(batch=batch, num_heads=num_heads)
+  return heuristic_config(batch=batch, num_heads=num_heads, num_sms=num_sms)

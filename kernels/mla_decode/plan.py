@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from jaxkv._types import BATCH, SeqLens
+from jaxkv.kernels._common import num_sms as device_sms
 
 from .config import MLADecodeConfig, default_config
 from .kernel import BLOCK_SIZES, TILE
@@ -68,7 +69,7 @@ def mla_decode_plan(
     num_heads: int,
     block_size: int = 64,
     config: MLADecodeConfig | None = None,
-    num_sms: int = 132,
+    num_sms: int | None = None,
 ) -> MLADecodePlan:
   """Cuts the step's tiles into parts of equal cost, one CTA of work each.
 
@@ -89,7 +90,8 @@ def mla_decode_plan(
       64-slot tiles whatever it is, so one plan serves caches of any of them.
     config: tuning config; the tuned or heuristic default for this batch and
       heads when None.
-    num_sms: multiprocessors of the device.
+    num_sms: multiprocessors of the device (None: `_common.num_sms()`, the
+      first device's).
 
   Returns:
     The plan.
@@ -97,8 +99,10 @@ def mla_decode_plan(
   if block_size not in BLOCK_SIZES:
     raise ValueError(f"{block_size=} must be one of {BLOCK_SIZES}")
   batch = seq_lens.shape[0]
+  if num_sms is None:
+    num_sms = device_sms()
   if config is None:
-    config = default_config(batch=batch, num_heads=num_heads)
+    config = default_config(batch=batch, num_heads=num_heads, num_sms=num_sms)
   with jax.named_scope("jaxkv.mla_decode_plan"):
     head_groups = -(-num_heads // 64)
     splits = config.num_splits

@@ -7,6 +7,8 @@ import functools
 from typing import Any, NamedTuple
 
 from jaxkv.kernels._common import device_kind, load_tuning
+from jaxkv.kernels._common import DEFAULT_SMS
+from jaxkv.kernels._common import num_sms as device_sms
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 
 OP = "sparse_mla_decode"
@@ -170,7 +172,7 @@ def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> fl
 
 
 def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
-              num_sms: int = 132) -> float:
+              num_sms: int = DEFAULT_SMS) -> float:
   """`wave_plan`'s modelled time of a one-split call (µs): its CTAs' span,
   plus the combine of the cut rows unless they are halves that pair up
   (merged in the kernel's clusters)."""
@@ -192,7 +194,7 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
 @functools.lru_cache(maxsize=256)
 def wave_plan(
     *, batch: int, num_heads: int, topk: int, num_splits: int, pieces: int | None = None,
-    pairs_only: bool = False, num_sms: int = 132,
+    pairs_only: bool = False, num_sms: int = DEFAULT_SMS,
 ) -> RowCut:
   """The rows to cut and their pieces (`SparseMLADecodeConfig.cut_rows=None`).
 
@@ -236,7 +238,8 @@ def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
     return RowCut(config.cut_rows, config.pieces or 2)
   return wave_plan(batch=batch, num_heads=num_heads, topk=topk,
                    num_splits=config.num_splits, pieces=config.pieces,
-                   pairs_only=bool(config.cluster_merge) and config.pieces in (None, 2))
+                   pairs_only=bool(config.cluster_merge) and config.pieces in (None, 2),
+                   num_sms=device_sms())
 
 
 def halves_pair_up(*, batch: int, cut_rows: int, pieces: int = 2) -> bool:
@@ -286,9 +289,12 @@ def merges_in_cluster(config: SparseMLADecodeConfig, *, batch: int, num_heads: i
 
 
 def heuristic_config(
-    *, batch: int, num_heads: int, topk: int, num_sms: int = 132
+    *, batch: int, num_heads: int, topk: int, num_sms: int | None = None
 ) -> SparseMLADecodeConfig:
-  """A config for any device: split until the grid covers the SMs once."""
+  """A config for any device: split until the grid covers the SMs once (None:
+  the device's multiprocessors)."""
+  if num_sms is None:
+    num_sms = device_sms()
   ctas = batch * -(-num_heads // 64)
   splits = 1
   while ctas * splits * 2 <= num_sms and topk % (TILE * splits * 2) == 0:
