@@ -229,18 +229,22 @@ def test_cluster_merge_pays():
   assert not merges_in_cluster(off, batch=8, num_heads=64)
 
 
-@pytest.mark.parametrize("heads", [16, 128])
-def test_rows_cut_in_halves(heads):
-  """`cut_rows`: the last rows' top-k lists in two halves, a CTA each (three
-  tiles: halves of one and two), merged after the kernel, beside a whole
-  row. Row 1's first half holds no valid index, row 2 none at all. At 16
-  heads (race detector on for the clean call) also: the whole row is bit
-  for bit what `cut_rows=0` gives; NaN in slot 0 and in every slot no row
-  indexes leaves "select" bit-equal to clean memory, and "multiply" gives
-  NaN exactly where the reference does."""
-  q, cache, idx = _inputs(53, 3, heads, 192, invalid=0.2, dead_rows=(2,))
-  idx = idx.at[1, :128].set(-1)
-  config = SparseMLADecodeConfig(cut_rows=2)
+@pytest.mark.parametrize("heads, pieces", [(16, 2), (128, 2), (64, 4)])
+def test_rows_cut_into_pieces(heads, pieces):
+  """`cut_rows`: the last two rows' top-k lists cut into pieces, a CTA each,
+  merged after the kernel, beside a whole row: halves of one and two tiles
+  (a three-tile list), or four pieces of one, one, one and two tiles (five).
+  Row 1's first half (first three pieces) holds no valid index, row 2 none
+  at all. At 16 heads the clean call runs with the race detector on. At 16
+  heads and in four pieces also: the whole row is bit for bit what
+  `cut_rows=0` gives; NaN in slot 0 and in every slot no row indexes leaves
+  "select" bit-equal to clean memory, and "multiply" gives NaN exactly where
+  the reference does."""
+  tiles = 3 if pieces == 2 else 5
+  q, cache, idx = _inputs(53 if pieces == 2 else 59, 3, heads, 64 * tiles, invalid=0.2,
+                          dead_rows=(2,))
+  idx = idx.at[1, :64 * (tiles // 2 + 1)].set(-1)
+  config = SparseMLADecodeConfig(cut_rows=2, pieces=pieces)
 
   def run(c, mode, config=config, interpret=FAST):
     return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
@@ -251,7 +255,7 @@ def test_rows_cut_in_halves(heads):
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
   _check(out[:2], lse[:2], ref_out[:2], ref_lse[:2])
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
-  if heads != 16:
+  if heads == 128:
     return
   whole_out, whole_lse = run(cache, "select", config=SparseMLADecodeConfig(cut_rows=0))
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(whole_out[0], np.float32))
@@ -314,41 +318,6 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
   mul_out, _ = run(poisoned, "multiply", True)
   np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
   assert (np.asarray(mul_out[3], np.float32) == 0).all()
-
-
-def test_rows_cut_into_pieces():
-  """`cut_rows` with `pieces=4`: rows 1 and 2 of a five-tile list cut into
-  pieces of one, one, one and two tiles, a CTA each, merged after the kernel,
-  beside a whole row. Row 1's first three pieces hold no valid index, row 2
-  none at all. The reference's result; the whole row bit for bit what
-  `cut_rows=0` gives; NaN in slot 0 and in every slot no row indexes leaves
-  "select" bit-equal to clean memory, and "multiply" gives NaN exactly where
-  the reference does."""
-  q, cache, idx = _inputs(59, 3, 64, 320, invalid=0.2, dead_rows=(2,))
-  idx = idx.at[1, :192].set(-1)
-
-  def run(c, mode, config=SparseMLADecodeConfig(cut_rows=2, pieces=4)):
-    return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=FAST,
-                             config=config)
-
-  out, lse = run(cache, "select")
-  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE)
-  _check(out[:2], lse[:2], ref_out[:2], ref_lse[:2])
-  assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
-  whole_out, whole_lse = run(cache, "select", config=SparseMLADecodeConfig(cut_rows=0))
-  np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(whole_out[0], np.float32))
-  np.testing.assert_array_equal(np.asarray(lse[0]), np.asarray(whole_lse[0]))
-
-  poisoned = _poison_unselected(cache, idx)
-  sel_out, sel_lse = run(poisoned, "select")
-  np.testing.assert_array_equal(np.asarray(sel_out, np.float32), np.asarray(out, np.float32))
-  np.testing.assert_array_equal(np.asarray(sel_lse), np.asarray(lse))
-  ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
-  want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
-  np.testing.assert_array_equal(want, [True, True, False])
-  mul_out, _ = run(poisoned, "multiply")
-  np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
-  assert (np.asarray(mul_out[2], np.float32) == 0).all()
 
 
 def test_halves_merge_in_clusters_where_they_pair_up():
