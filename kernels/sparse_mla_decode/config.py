@@ -154,8 +154,9 @@ def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> fl
   """When the last of `whole` CTAs of cost `cta` (at most one wave, started
   first) and then `pieces` CTAs of cost `piece` ends, each CTA taking the SM
   that frees first. The SMs left free take pieces back to back from the start,
-  the others from `cta` on: the pieces end at the `pieces`-th smallest of
-  those completion times."""
+  the others from `cta` on, so the pieces end at the `pieces`-th smallest of
+  those completion times: found by bisection on how many pieces are done by
+  a time (the tests check it against a schedule of every CTA)."""
   end = cta if whole else 0.0
   if not pieces:
     return end
@@ -205,8 +206,8 @@ def wave_plan(
   take short pieces instead: the count of rows and of pieces (`PLAN_PIECES`,
   or `pieces` alone; with `pairs_only`, halves that pair up alone) that
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
-  beats the whole rows' waves. No cut with
-  several splits, within one wave or past two, and for a one-tile list.
+  beats the whole rows' waves. No cut with several splits, within one wave or
+  past two, and for a one-tile list.
   """
   tiles = topk // TILE
   none = RowCut(0, 2)
