@@ -48,6 +48,7 @@ from jaxkv.kernels.sparse_mla_decode import (
 from jaxkv.kernels.sparse_mla_decode.config import (
     CLUSTER_SPLITS,
     default_config,
+    halves_pair_up,
     merges_in_cluster,
     rows_to_cut,
 )
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
     pads = sorted({bool(v) for v in args.pad_heads})
     merges = [None]
     cut = rows_to_cut(cfg, batch=batch, num_heads=heads, topk=topk)
-    pairs = cfg.num_splits == 1 and cut.pieces == 2 and cut.rows and (batch - cut.rows) % 2 == 0
+    pairs = halves_pair_up(batch=batch, cut_rows=cut.rows, pieces=cut.pieces)
     if args.cluster_merge and (cfg.num_splits in CLUSTER_SPLITS or pairs):
       merges = [bool(v) for v in args.cluster_merge]
     variants = [(mode, qr, so, ph, cm) for so in stage_out for qr in q_regs

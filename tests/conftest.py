@@ -62,3 +62,20 @@ def interpreter_race_reports(request, monkeypatch):
         f"the Pallas GPU interpreter's race detector reported races in {raced} of"
         f" {len(states)} interpreted kernels (the details are in the captured stdout)"
     )
+
+
+class _H100PCIe:
+  """A GPU device as JAX reports one: 114 multiprocessors, no tuned configs."""
+
+  platform = "gpu"
+  device_kind = "NVIDIA H100 PCIe"
+  core_count = 114
+
+
+@pytest.fixture
+def h100_pcie(monkeypatch):
+  """Makes the kernels' first device (`kernels._common.first_device`) an H100
+  PCIe, for the tests of plans sized by the device's multiprocessors."""
+  from jaxkv.kernels import _common
+
+  monkeypatch.setattr(_common, "first_device", _H100PCIe)

@@ -1150,15 +1150,7 @@ def test_unpadded_heads_lower_for_hopper(heads, kv_swizzle, group):
   assert "mosaic_gpu" in text
 
 
-class _H100PCIe:
-  """A GPU device as JAX reports one: 114 multiprocessors, no tuned configs."""
-
-  platform = "gpu"
-  device_kind = "NVIDIA H100 PCIe"
-  core_count = 114
-
-
-def test_plans_count_the_devices_sms(monkeypatch):
+def test_plans_count_the_devices_sms(request):
   """A GPU that reports its multiprocessors (`core_count`) sizes the split
   plan and the heuristic config; the CPU counts an H200's 132."""
   from jaxkv.kernels import _common
@@ -1166,7 +1158,7 @@ def test_plans_count_the_devices_sms(monkeypatch):
   assert _common.num_sms() == _common.DEFAULT_SMS == 132
   lens = jnp.full((128,), 4096, jnp.int32)
   assert mla_decode_plan(lens, num_heads=64).num_parts == 132
-  monkeypatch.setattr(_common, "first_device", _H100PCIe)
+  request.getfixturevalue("h100_pcie")
   assert _common.num_sms() == 114 and _common.device_kind() == "nvidia_h100_pcie"
   assert mla_decode_plan(lens, num_heads=64).num_parts == 114
   assert mla_decode_plan(lens, num_heads=128).num_parts == 57

@@ -366,7 +366,7 @@ def _greedy_span(costs, num_sms):
 
 
 def test_span_is_the_greedy_schedule():
-  """`_span`'s closed form against a schedule of every CTA on the first free
+  """`_span`'s bisection against a schedule of every CTA on the first free
   SM, on shapes drawn at random (whole CTAs first, then the pieces)."""
   rng = np.random.default_rng(0)
   for _ in range(200):
@@ -683,23 +683,13 @@ def test_heads_below_a_head_group_need_no_pad_or_slice(heads, stage_out, pad, cu
   assert ("slice" in ops) == cut
 
 
-class _H100PCIe:
-  """A GPU device as JAX reports one: 114 multiprocessors, no tuned configs."""
-
-  platform = "gpu"
-  device_kind = "NVIDIA H100 PCIe"
-  core_count = 114
-
-
-def test_wave_plan_counts_the_devices_sms(monkeypatch):
+def test_wave_plan_counts_the_devices_sms(request):
   """The automatic cut and the heuristic split count take the device's
   multiprocessors: 60 x 128 heads (120 CTAs) is one wave of an H200's 132
   SMs, and overruns one of 114."""
-  from jaxkv.kernels import _common
-
   auto = SparseMLADecodeConfig()
   assert rows_to_cut(auto, batch=60, num_heads=128, topk=2048) == (0, 2)
-  monkeypatch.setattr(_common, "first_device", _H100PCIe)
+  request.getfixturevalue("h100_pcie")
   cut = rows_to_cut(auto, batch=60, num_heads=128, topk=2048)
   assert cut.rows > 0 and cut == wave_plan(batch=60, num_heads=128, topk=2048, num_splits=1,
                                            num_sms=114)

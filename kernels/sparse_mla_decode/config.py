@@ -6,8 +6,7 @@ import dataclasses
 import functools
 from typing import Any, NamedTuple
 
-from jaxkv.kernels._common import device_kind, load_tuning
-from jaxkv.kernels._common import DEFAULT_SMS
+from jaxkv.kernels._common import DEFAULT_SMS, device_kind, load_tuning
 from jaxkv.kernels._common import num_sms as device_sms
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 
