@@ -22,6 +22,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
     merges_in_cluster,
     rows_to_cut,
 )
+from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
 
 TOPK_MULTIPLE = 64
@@ -157,11 +158,11 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
-                     "pad_heads", "cut_rows", "pieces", "cluster_merge"),
+                     "pad_heads", "cut_rows", "pieces", "cluster_merge", "xla_combine"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
-    pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False,
+    pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
@@ -193,22 +194,39 @@ def _sparse_mla_decode(
   if cluster_merge:  # the clusters merged the splits or halves: [b, heads or hp, 512], [b, ...]
     return real_heads(o, lse, heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
-    out, lse = real_heads(o, lse, heads)
     if not cut_rows:
-      return out, lse
+      return real_heads(o, lse, heads)
     # The last rows' pieces ([cut_rows, pieces, hp, 512], [cut_rows, pieces,
     # hp] f32), merged into the rows the kernel left unwritten.
-    cut_o, cut_lse = combine_splits(more[0][:, :, :heads], more[1][:, :, :heads],
-                                    empty_nan=not select)
-    whole = batch - cut_rows
-    # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
-    # from taking the kernel's call into the update of its own output, where
-    # it finds a cycle and fails (jax 0.11.2). Slices and a concatenation in
-    # place of the update were correct but 1-11 µs slower on the H200.
-    out, lse = lax.optimization_barrier((out, lse))
-    return out.at[whole:].set(cut_o.astype(out.dtype)), lse.at[whole:].set(cut_lse)
+    if xla_combine:
+      return _combine_in_xla(o, lse, more, heads=heads, cut_rows=cut_rows, select=select)
+    merge = build_piece_merge(
+        rows=cut_rows, pieces=pieces, heads_padded=heads_padded, out_heads=o.shape[1],
+        out_dtype=o.dtype, select=select, interpret=interpret, first_row=batch - cut_rows)
+    return real_heads(*merge(*more, o, lse), heads)
   # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32. In
   # "multiply", a split of -1s only that met a NaN null block poisons its
   # row, as in production kernels' merge.
-  out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads], empty_nan=not select)
-  return out.astype(q.dtype), lse
+  if xla_combine:
+    out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads], empty_nan=not select)
+    return out.astype(q.dtype), lse
+  merge = build_piece_merge(rows=batch, pieces=num_splits, heads_padded=heads_padded,
+                            out_heads=q_heads, out_dtype=q.dtype, select=select,
+                            interpret=interpret)
+  return real_heads(*merge(o, lse), heads)
+
+
+def _combine_in_xla(o, lse, more, *, heads, cut_rows, select):
+  """The cut rows' pieces merged by `combine_splits` and updated into the
+  kernel's result (`_sparse_mla_decode(xla_combine=True)`, the benchmark's
+  A/B against the merge kernel)."""
+  out, lse = real_heads(o, lse, heads)
+  cut_o, cut_lse = combine_splits(more[0][:, :, :heads], more[1][:, :, :heads],
+                                  empty_nan=not select)
+  whole = out.shape[0] - cut_rows
+  # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
+  # from taking the kernel's call into the update of its own output, where
+  # it finds a cycle and fails (jax 0.11.2). Slices and a concatenation in
+  # place of the update were correct but 1-11 µs slower on the H200.
+  out, lse = lax.optimization_barrier((out, lse))
+  return out.at[whole:].set(cut_o.astype(out.dtype)), lse.at[whole:].set(cut_lse)

@@ -1,0 +1,175 @@
+"""The merge of a row's split or piece partials as one Mosaic GPU kernel.
+
+Sparse decode leaves partials where a row's top-k list was cut: every row's
+splits (`num_splits > 1` without clusters), or the pieces of the batch's last
+rows (`cut_rows`). `combine_splits` (plain jnp) is the specification of their
+merge; XLA runs it as two to four kernels after the decode kernel, each
+mostly its own fixed cost, and its reduction over the pieces axis grows with
+the axis (3.8-9.2 µs on the H200 for 2-32 MB of partials; NOTES.md).
+
+Here one CTA per (row, head group, `cols` value channels) brings all of the
+row's partial tiles into SMEM at once by TMA, one copy per piece and the
+pieces' LSE in one more, takes the LSE maximum first, then sums the weighted
+tiles as they land, and stores its tile of the result by TMA. Cut rows are
+merged into the decode kernel's output in place (a Pallas state discharge
+aliases it): the rows the kernel finished are neither read nor written.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkv.kernels._common import num_sms
+from jaxkv.kernels.mla_decode.layout import (
+    HEAD_TILE,
+    LATENT,
+    LOG2E,
+    by_head_group,
+    last_group_rows,
+    stage_store,
+)
+from jaxkv.kernels.mla_decode.seesaw import softmax_finish, softmax_start
+
+# SMEM for a CTA's partial tiles: `pieces x 64 x cols` float32.
+TILES_SMEM = 128 * 1024
+# Value channels per CTA: the most that fit, halved while the grid is short of
+# the SMs (a CTA's copies are then smaller and more of them run at once).
+MAX_COLS = 64
+MIN_COLS = 16
+MAX_PIECES = TILES_SMEM // (HEAD_TILE * MIN_COLS * 4)
+
+
+def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = None) -> int:
+  """Value channels per CTA for `rows` rows of `pieces` partials each."""
+  sms = num_sms() if sms is None else sms
+  cols = MAX_COLS
+  while cols > MIN_COLS and (pieces * HEAD_TILE * cols * 4 > TILES_SMEM
+                             or rows * head_groups * (LATENT // cols) < sms):
+    cols //= 2
+  return cols
+
+
+def build_piece_merge(
+    *, rows: int, pieces: int, heads_padded: int, out_heads: int, out_dtype, select: bool,
+    interpret, first_row: int | None = None, cols: int | None = None,
+):
+  """Returns `(o, lse) -> (out, lse_out)`, or with `first_row` `(o, lse, out,
+  lse_out) -> (out, lse_out)` updating `out` and `lse_out` in place.
+
+  Args:
+    rows, pieces: o is `[rows, pieces, heads_padded, 512]` and lse `[rows,
+      pieces, heads_padded]`, float32: each piece's normalised partial and
+      natural-log LSE (-inf for a piece that attended to nothing). Rows of
+      the last head group past `out_heads` are never used.
+    out_heads: the result's rows per batch row, `heads_padded` or the query's
+      own heads (a multiple of 8 within the last head group).
+    out_dtype: the result's dtype (16- or 32-bit).
+    select: the mask mode. In "multiply" (False) a NaN in a piece of no
+      weight (masked slots only, one of which met NaN) poisons its row, as
+      the production merge's weight-0 product does; in "select" such a
+      piece's tile is never used. A row whose pieces are all empty gets 0
+      and -inf in both.
+    interpret: the interpreter's parameters, or None to compile.
+    first_row: None, a new `[rows, out_heads, 512]` result and `[rows,
+      out_heads]` LSE; else row r's merge goes to row `first_row + r` of the
+      `out` `[batch, out_heads, 512]` and `lse_out` `[batch, out_heads]`
+      given, whose other rows come back as they were.
+    cols: value channels per CTA (default `merge_cols`).
+  """
+  head_groups = heads_padded // HEAD_TILE
+  assert heads_padded % HEAD_TILE == 0 and 2 <= pieces <= MAX_PIECES
+  if cols is None:
+    cols = merge_cols(rows=rows, head_groups=head_groups, pieces=pieces)
+  assert LATENT % cols == 0 and pieces * HEAD_TILE * cols * 4 <= TILES_SMEM
+  tail_heads = last_group_rows(out_heads, heads_padded)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  def merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, out_buf, lse_stage,
+                   o_bar, lse_bar):
+    b, g, c = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("c")
+    heads, chans = pl.ds(g * HEAD_TILE, HEAD_TILE), pl.ds(c * cols, cols)
+    row = b if first_row is None else first_row + b
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
+    for j in range(pieces):
+      plgpu.copy_gmem_to_smem(o_ref.at[b, j, heads, chans], o_buf.at[j], o_bar.at[j])
+
+    def log2_lse(j):
+      # Loaded again where used: every piece's LSE held in registers would
+      # not fit beside the accumulator at 32 pieces.
+      return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
+
+    plgpu.barrier_wait(lse_bar)
+    m = log2_lse(0)
+    for j in range(1, pieces):
+      m = jnp.maximum(m, log2_lse(j))
+    m_ref = jnp.where(m == -jnp.inf, 0.0, m)  # no live piece: every weight 0
+    acc, _, l = softmax_start(cols)
+    for j in range(pieces):
+      lse_j = log2_lse(j)
+      live = lse_j > -jnp.inf
+      w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
+      plgpu.barrier_wait(o_bar.at[j])
+      o_j = plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
+      keep = lax.broadcast_in_dim(live, o_j.shape, [0])
+      if not select:
+        keep = keep | jnp.isnan(o_j)
+      acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
+      l = l + w
+    res, lse = softmax_finish(acc, m, l)
+    # A row of empty pieces alone is 0 even where "multiply" met NaN.
+    res = jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0).astype(out_dtype)
+
+    def store_whole():
+      stage_store(out_buf, res, out_ref.at[row, heads, chans])
+
+      @pl.when(c == 0)
+      def _():
+        lse_out_ref[row, heads] = lse
+
+    def store_tail():  # the last head group's real rows alone
+      rows_out, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
+      stage_store(out_buf, res, out_ref.at[row, rows_out, chans], src=out_buf.at[real])
+
+      @pl.when(c == 0)
+      def _():
+        stage_store(lse_stage, lse, lse_out_ref.at[row, rows_out], src=lse_stage.at[real])
+
+    by_head_group(g, head_groups=head_groups, tail_heads=tail_heads, whole=store_whole,
+                  tail=store_tail)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  outputs = (jax.ShapeDtypeStruct((rows, out_heads, LATENT), out_dtype),
+             jax.ShapeDtypeStruct((rows, out_heads), jnp.float32))
+  call = plgpu.kernel(
+      merge_kernel,
+      out_type=() if first_row is not None else outputs,
+      grid=(rows, head_groups, LATENT // cols),
+      grid_names=("b", "g", "c"),
+      scratch_types=[
+          plgpu.SMEM((pieces, HEAD_TILE, cols), jnp.float32),
+          plgpu.SMEM((pieces, HEAD_TILE), jnp.float32),
+          plgpu.SMEM((HEAD_TILE, cols), out_dtype),
+          plgpu.SMEM((HEAD_TILE,), jnp.float32),
+          plgpu.Barrier(num_arrivals=1, num_barriers=pieces),
+          plgpu.Barrier(num_arrivals=1),
+      ],
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name="jaxkv_sparse_mla_decode_merge",
+      interpret=interpret,
+  )
+  if first_row is None:
+    return call
+
+  def merge_in_place(o, lse, out, lse_out):
+    assert first_row + rows <= out.shape[0] and out.shape[1:] == (out_heads, LATENT)
+
+    def in_place(refs):
+      call(o, lse, *refs)
+
+    return pl.run_state(in_place)((out, lse_out))
+
+  return merge_in_place
