@@ -9,6 +9,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
       [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
+      [--combine kernel xla]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -26,7 +27,10 @@ halves of cut rows, merged by the kernel's clusters, or by the combine kernel
 after it; the default: the config's), compares the two results (within a
 bf16 rounding of each other, NaN in the same places), and runs the NaN check
 with each, at 8 splits and with 10 of 16 rows cut in halves. (`--pad-heads`
-variants cut no rows.)
+variants cut no rows.) `--combine` times each variant whose partials no cluster
+merges with `SparseMLADecodeConfig.combine` set to each value (the merge
+kernel or XLA's combine), compares the two results likewise, and runs the NaN
+check with each.
 """
 
 from __future__ import annotations
@@ -67,10 +71,12 @@ def _time(fn, *args) -> float:
 def _time_parts(fn, *args) -> tuple[float, float]:
   """`_time`'s figure and, in the same iteration, the decode kernel's own time (s).
 
-  The rest of a call is XLA's: the combine of split partials, pads and slices.
+  The rest of a call is the merge of split or piece partials (the merge
+  kernel's or XLA's), and XLA's pads and slices.
   """
   _, times = measure(fn, aggregate=False, iterations=ITERS)(*args)
-  per_iter = [(sum(ms for _, ms in it), sum(ms for name, ms in it if "jaxkv_sparse" in name))
+  per_iter = [(sum(ms for _, ms in it),
+               sum(ms for name, ms in it if "jaxkv_sparse" in name and "merge" not in name))
               for it in times]
   total, kernel = sorted(per_iter)[len(per_iter) // 2]
   return total * 1e-3, kernel * 1e-3
@@ -145,6 +151,9 @@ def main(argv=None) -> int:
   parser.add_argument("--cluster-merge", type=int, nargs="+", default=None, choices=[0, 1],
                       help="time each variant with the splits merged by the kernel's clusters"
                       " (1) and by the combine kernel (0) (default: the config's)")
+  parser.add_argument("--combine", nargs="+", default=None, choices=["kernel", "xla"],
+                      help="time each variant with split or piece partials merged by the"
+                      " merge kernel and by XLA (default: the config's)")
   args = parser.parse_args(argv)
   cut_rows = {"auto": None, "off": 0}.get(args.cut_rows)
   if cut_rows is None and args.cut_rows != "auto":
@@ -185,37 +194,47 @@ def main(argv=None) -> int:
     pairs = halves_pair_up(batch=batch, cut_rows=cut.rows, pieces=cut.pieces)
     if args.cluster_merge and (cfg.num_splits in CLUSTER_SPLITS or pairs):
       merges = [bool(v) for v in args.cluster_merge]
-    variants = [(mode, qr, so, ph, cm) for so in stage_out for qr in q_regs
-                for mode in args.modes for ph in pads for cm in merges]
+    combines = [cfg.combine]
+    in_clusters = merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)
+    if args.combine and (cfg.num_splits > 1 or cut.rows) and not in_clusters:
+      combines = args.combine
+    variants = [(mode, qr, so, ph, cm, cb) for so in stage_out for qr in q_regs
+                for mode in args.modes for ph in pads for cm in merges for cb in combines]
     outs = {}
-    for mode, qr, so, ph, cm in variants:
-      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm)
+    for mode, qr, so, ph, cm, cb in variants:
+      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm, combine=cb)
       if ph:
         fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: _sparse_mla_decode(
             q, c, i, sm_scale=SCALE, select=mode == "select", num_splits=vcfg.num_splits,
             interpret=None, q_regs=vcfg.q_regs, stage_out=vcfg.stage_out, pad_heads=True,
-            cluster_merge=merges_in_cluster(vcfg, batch=batch, num_heads=heads)))
+            cluster_merge=merges_in_cluster(vcfg, batch=batch, num_heads=heads),
+            xla_combine=cb == "xla"))
       else:
         fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: sparse_mla_decode(
             q, c, i, sm_scale=SCALE, mask_mode=mode, config=vcfg))
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
-      outs[mode, qr, so, ph, cm] = (np.asarray(out, np.float32), np.asarray(lse))
-      if cm is not None and (mode, qr, so, ph, not cm) in outs:
-        close = _same_result(outs[mode, qr, so, ph, cm], outs[mode, qr, so, ph, not cm])
+      outs[mode, qr, so, ph, cm, cb] = (np.asarray(out, np.float32), np.asarray(lse))
+      if cm is not None and (mode, qr, so, ph, not cm, cb) in outs:
+        close = _same_result(outs[mode, qr, so, ph, cm, cb], outs[mode, qr, so, ph, not cm, cb])
         print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
               f" agree: {close}", flush=True)
         good &= close
-      if so and not ph and (mode, qr, False, False, cm) in outs:
-        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm],
-                                                   outs[mode, qr, False, ph, cm]))
+      if cb == "xla" and (mode, qr, so, ph, cm, "kernel") in outs:
+        close = _same_result(outs[mode, qr, so, ph, cm, cb], outs[mode, qr, so, ph, cm, "kernel"])
+        print(f"b{batch} h{heads} {mode} q_regs {qr}: merge kernel and XLA combine"
+              f" agree: {close}", flush=True)
+        good &= close
+      if so and not ph and (mode, qr, False, False, cm, cb) in outs:
+        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm, cb],
+                                                   outs[mode, qr, False, ph, cm, cb]))
         print(f"b{batch} h{heads} {mode} q_regs {qr} cluster merge {cm}: staged result"
               f" bit-equal to direct stores: {same}", flush=True)
         good &= same
       if ph:
-        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm],
-                                                   outs[mode, qr, so, False, cm]))
+        same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm, cb],
+                                                   outs[mode, qr, so, False, cm, cb]))
         print(f"b{batch} h{heads} {mode} q_regs {qr} stage_out {so}: padded query's result"
               f" bit-equal to the unpadded one's: {same}", flush=True)
         good &= same
@@ -223,7 +242,8 @@ def main(argv=None) -> int:
       t, t_kernel = _time_parts(fn, q, cache, idx)
       rows.append((batch, heads, topk, invalid,
                    f"{mode}/qr{qr}{'/so' if so else ''}{'/pad' if ph else ''}"
-                   f"{'' if cm is None else '/cm' if cm else '/xc'}", t * 1e6,
+                   f"{'' if cm is None else '/cm' if cm else '/xc'}"
+                   f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}", t * 1e6,
                    t_kernel * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
@@ -241,17 +261,17 @@ def main(argv=None) -> int:
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
   base = _pallas_config(args.splits, 16, 64, cut_rows=cut_rows, pieces=args.pieces)
-  checks = [(qr, bool(so), None, False) for qr in args.q_regs or [base.q_regs]
-            for so in args.stage_out or [base.stage_out]]
-  checks += [(base.q_regs, so, bool(cm), halves) for cm in args.cluster_merge or []
+  checks = [(qr, bool(so), None, False, cb) for qr in args.q_regs or [base.q_regs]
+            for so in args.stage_out or [base.stage_out] for cb in args.combine or [base.combine]]
+  checks += [(base.q_regs, so, bool(cm), halves, base.combine) for cm in args.cluster_merge or []
              for so, halves in ((False, False), (True, False), (True, True))]
-  for qr, so, cm, halves in checks:
+  for qr, so, cm, halves, cb in checks:
     # (A staged result needs one split: the check then runs with one; a merge
     # by clusters or not, with 8 splits (staged or not), or with 10 of the 16
     # rows cut in halves, rows 6-7 (with -1s in their first halves) among them.)
     splits = 1 if halves else 8 if cm is not None else 1 if so else base.num_splits
     cfg = dataclasses.replace(base, q_regs=qr, stage_out=so, num_splits=splits,
-                              cluster_merge=cm,
+                              cluster_merge=cm, combine=cb,
                               cut_rows=10 if halves else None if cm is not None else base.cut_rows,
                               pieces=2 if halves else base.pieces)
     if cut_rows and cfg.num_splits == 1 and not halves:  # rows 6-7 (with -1s) among those cut at 10
@@ -265,7 +285,7 @@ def main(argv=None) -> int:
         False] + [True] * 7 + [False] * 8
     ok &= nan_ok
     print(f"NaN poisoning (q_regs {qr}, stage_out {so}, cut_rows {cfg.cut_rows},"
-          f" pieces {cfg.pieces},"
+          f" pieces {cfg.pieces}, combine {cfg.combine},"
           f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}): select"
           f" bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")

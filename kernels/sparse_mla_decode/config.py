@@ -14,6 +14,7 @@ OP = "sparse_mla_decode"
 MAX_SPLITS = 64
 TILE = 64  # indices per kernel step; the kernel's tile is this one
 IMPLEMENTATIONS = ("xla", "pallas")
+COMBINES = ("kernel", "xla")
 # Split counts whose CTAs can merge a row in the kernel, as one cluster
 # (`SparseMLADecodeConfig.cluster_merge`): each CTA merges 512 / splits value
 # channels, half per consumer warpgroup, and a cluster of more than 8 CTAs is
@@ -81,6 +82,10 @@ class SparseMLADecodeConfig:
       SMs; the halves in clusters took 96 x 128 from 127.8 to 118.6 µs (its
       merge's result staged, `stage_out`) and 150 x 64 from 142.0 to 131.6
       (3-9% at nine shapes; NOTES.md).
+    combine: what merges split or piece partials that no cluster merged:
+      "kernel" (`piece_merge`, one Mosaic GPU kernel, cut rows merged into
+      the decode kernel's result in place) or "xla" (`combine_splits`, two
+      to four XLA kernels, and for cut rows an update of the result).
   """
 
   num_splits: int = 1
@@ -90,6 +95,7 @@ class SparseMLADecodeConfig:
   cut_rows: int | None = None
   pieces: int | None = None
   cluster_merge: bool | None = None
+  combine: str = "kernel"
 
   def __post_init__(self):
     value = self.num_splits
@@ -100,6 +106,7 @@ class SparseMLADecodeConfig:
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
     check_choice("q_regs", self.q_regs, Q_REGS)
+    check_choice("combine", self.combine, COMBINES)
     if not isinstance(self.stage_out, bool):
       raise ValueError(f"{self.stage_out=} must be a bool")
     rows = self.cut_rows

@@ -116,6 +116,7 @@ def sparse_mla_decode(
         cut_rows=cut.rows,
         pieces=cut.pieces,
         cluster_merge=cluster_merge,
+        xla_combine=config.combine == "xla",
     )
 
 
@@ -218,8 +219,7 @@ def _sparse_mla_decode(
 
 def _combine_in_xla(o, lse, more, *, heads, cut_rows, select):
   """The cut rows' pieces merged by `combine_splits` and updated into the
-  kernel's result (`_sparse_mla_decode(xla_combine=True)`, the benchmark's
-  A/B against the merge kernel)."""
+  kernel's result (`SparseMLADecodeConfig.combine="xla"`)."""
   out, lse = real_heads(o, lse, heads)
   cut_o, cut_lse = combine_splits(more[0][:, :, :heads], more[1][:, :, :heads],
                                   empty_nan=not select)
