@@ -55,7 +55,7 @@ def _check(out, lse, o, lse_in, out_heads, *, select):
 @pytest.mark.parametrize(
     "select, pieces, hp, out_heads, out_dtype, cols",
     [(True, 4, 128, 128, jnp.bfloat16, 64), (False, 3, 128, 72, jnp.float32, 32),
-     (False, 8, 64, 16, jnp.bfloat16, None), (True, 32, 64, 64, jnp.float32, 16)],
+     (False, 8, 64, 16, jnp.bfloat16, None), (True, 32, 64, 64, jnp.float32, 16), (False, 32, 64, 40, jnp.bfloat16, 8)],
 )
 def test_matches_combine_splits(select, pieces, hp, out_heads, out_dtype, cols):
   """A new result: each row's merge as `combine_splits` gives it (NaN in
@@ -99,10 +99,10 @@ def test_in_place_leaves_other_rows(select, out_heads):
 
 def test_merge_cols():
   """Channels per CTA: 64 where the grid fills the SMs and the tiles fit,
-  fewer where the grid is short or the pieces many, never under 16."""
+  fewer where the grid is short or the pieces many, never under 8."""
   assert merge_cols(rows=14, head_groups=2, pieces=4, sms=132) == 64
   assert merge_cols(rows=5, head_groups=2, pieces=8, sms=132) == 32
-  assert merge_cols(rows=1, head_groups=2, pieces=8, sms=132) == 16
+  assert merge_cols(rows=1, head_groups=2, pieces=8, sms=132) == 8
   assert merge_cols(rows=64, head_groups=2, pieces=16, sms=132) == 32
   assert merge_cols(rows=64, head_groups=2, pieces=MAX_PIECES, sms=132) == 16
   assert MAX_PIECES == 32

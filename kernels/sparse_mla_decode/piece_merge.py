@@ -39,8 +39,9 @@ TILES_SMEM = 128 * 1024
 # Value channels per CTA: the most that fit, halved while the grid is short of
 # the SMs (a CTA's copies are then smaller and more of them run at once).
 MAX_COLS = 64
-MIN_COLS = 16
-MAX_PIECES = TILES_SMEM // (HEAD_TILE * MIN_COLS * 4)
+MIN_COLS = 8
+# Pieces in SMEM at once at 16 channels, and mbarriers per group.
+MAX_PIECES = 32
 
 
 def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = None) -> int:
@@ -64,7 +65,7 @@ def build_piece_merge(
     rows, pieces: o is `[rows, pieces, heads_padded, 512]` and lse `[rows,
       pieces, heads_padded]`, float32: each piece's normalised partial and
       natural-log LSE (-inf for a piece that attended to nothing). Rows of
-      the last head group past `out_heads` are never used.
+      the last head group past `out_heads` are never read.
     out_heads: the result's rows per batch row, `heads_padded` or the query's
       own heads (a multiple of 8 within the last head group).
     out_dtype: the result's dtype (16- or 32-bit).
@@ -93,9 +94,22 @@ def build_piece_merge(
     b, g, c = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("c")
     heads, chans = pl.ds(g * HEAD_TILE, HEAD_TILE), pl.ds(c * cols, cols)
     row = b if first_row is None else first_row + b
+
+    # The pieces' LSE (all 64 rows: 256 bytes a piece), then their tiles.
     plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
-    for j in range(pieces):
-      plgpu.copy_gmem_to_smem(o_ref.at[b, j, heads, chans], o_buf.at[j], o_bar.at[j])
+
+    def fetch(first_head, n):  # the pieces' tiles' first n rows
+      for j in range(pieces):
+        plgpu.copy_gmem_to_smem(o_ref.at[b, j, pl.ds(first_head, n), chans],
+                                o_buf.at[j, pl.ds(0, n)], o_bar.at[j])
+
+    # A last head group of fewer real heads reads their tiles' rows alone: the
+    # decode kernel writes no other rows of its partials. The tiles' other rows
+    # hold whatever SMEM held; each row's merge is its own and no store takes
+    # them.
+    by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
+                  whole=lambda: fetch(g * HEAD_TILE, HEAD_TILE),
+                  tail=lambda: fetch(heads_padded - HEAD_TILE, tail_heads))
 
     def log2_lse(j):
       # Loaded again where used: every piece's LSE held in registers would
