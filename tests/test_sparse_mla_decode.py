@@ -16,6 +16,7 @@ from jaxkv.kernels.sparse_mla_decode import (
 )
 from jaxkv.kernels.sparse_mla_decode.config import (
     MAX_CLUSTER_CTAS,
+    PLAN_MARGIN,
     cluster_merge_pays,
     config_from_entries,
     heuristic_config,
@@ -349,7 +350,7 @@ def test_halves_merge_in_clusters_where_they_pair_up():
     cut = rows_to_cut(forced, batch=batch, num_heads=heads, topk=2048)
     assert cut.pieces == 2 and cut.rows and (batch - cut.rows) % 2 == 0, cut
     assert merges_in_cluster(forced, batch=batch, num_heads=heads, cut=cut)
-  assert rows_to_cut(auto, batch=67, num_heads=128, topk=2048).pieces == 8
+  assert rows_to_cut(auto, batch=67, num_heads=128, topk=2048).pieces == 16
   q, cache, idx = _inputs(0, 3, 64, 128)
   with pytest.raises(ValueError, match="cluster_merge"):  # one whole row: no pair
     sparse_mla_decode(q, cache, idx, sm_scale=SCALE, interpret=FAST,
@@ -394,7 +395,7 @@ def test_wave_plan():
   assert plan(150, 64, splits=2) == (0, 2) and plan(150, 64, topk=64) == (0, 2)
   for batch, heads in ((67, 128), (133, 64), (70, 128)):  # just past one wave
     cut = plan(batch, heads)
-    assert cut.rows <= 4 and cut.pieces == 8, cut
+    assert cut.rows <= 4 and cut.pieces == 16, cut
   for batch, heads in ((96, 128), (99, 128), (196, 64)):  # near two waves
     cut = plan(batch, heads)
     assert cut.pieces == 2 and (batch - cut.rows) % 2 == 0, cut
@@ -404,7 +405,10 @@ def test_wave_plan():
     cut = plan(batch, heads)
     costs = [plan_cost(batch=batch, num_heads=heads, tiles=32, cut=c)
              for c in (cut, RowCut(0, 2), RowCut(batch - 132 // groups, 2))]
-    assert costs[0] <= min(costs[1:]), (batch, heads, costs)
+    # (No cut where no cut was modelled `PLAN_MARGIN` slower.)
+    assert costs[0] <= min(costs[1:]) or (
+        cut.rows == 0 and min(costs[1:]) >= costs[0] * (1 - PLAN_MARGIN)), (batch, heads, costs)
+  assert plan(200, 16) == (0, 2)  # a cut modelled within the margin of no cut
 
 
 def test_cut_rows_validation():

@@ -140,20 +140,25 @@ class RowCut(NamedTuple):
 
 # The cost model of `wave_plan`, in µs on the H200 (top-k 2048, 2026-12-04:
 # 32 tiles in ~75 µs per CTA under a full machine, 8.4 µs for a lone CTA of
-# one tile; XLA's combine of the cut rows 3.8-9.2 µs after the kernel, for
-# 1 to 18 rows in 4-32 pieces, 2-17 MB of partials).
+# one tile; the merge kernel after the decode kernel 2.1-4.9 µs for 1 to 18
+# cut rows in 4-32 pieces, 1-15 MB of partials: a launch, each CTA's copies
+# one per piece, and the bytes; NOTES.md).
 TILE_US = 2.25  # a CTA's 64-index tile while every SM streams
 CTA_US = 5.0  # a CTA's fixed cost: its query, its first gather, its epilogue
-COMBINE_US = 4.5  # the combine after the kernel, plus ...
-COMBINE_MB_US = 0.25  # ... per MB of the partials it reads (~4 TB/s)
+COMBINE_US = 1.2  # the merge kernel after the decode kernel, plus ...
+COMBINE_PIECE_US = 0.09  # ... per piece of a row (each CTA copies them in turn) ...
+COMBINE_MB_US = 0.17  # ... per MB of the partials it reads (mostly from L2)
 # The piece counts `wave_plan` weighs. (Measured on the H200, 2026-12-04,
-# µs end to end: 16 pieces against 8 ran 93.0 / 95.3 at 67 x 128 heads (one
-# row cut) and 101.5 / 103.4 at 133 x 64, but 99.7 / 96.8 at 70 x 128 (four
-# rows) and 100.2 / 97.5 at 140 x 16 (eight); 32 against 16, 94.2 / 93.0 and
-# 102.8 / 101.5. Within the model's error (±4 µs) 8 pieces are as fast and
-# give the combine half the partials to read.)
-PLAN_PIECES = (2, 4, 8)
+# µs end to end with the merge kernel: 16 pieces against 8 ran 89.8 / 93.3
+# at 67 x 128 heads (one row cut), 98.6 / 101.9 at 133 x 64 and 96.1 / 96.3
+# at 140 x 16 (eight rows), 95.9 / 95.5 at 70 x 128 (four rows); 32 pieces
+# 90.5 and 98.6, no faster than 16.)
+PLAN_PIECES = (2, 4, 8, 16)
 LATENT_F32_BYTES = 512 * 4  # a partial's row
+# A cut must beat no cut by this fraction in the model: in the band of 1.5-2
+# waves its pieces ran ~10% slower than modelled (200 x 64: 4 pieces 176.3
+# µs against no cut 155.9), where its gains are within ~1%.
+PLAN_MARGIN = 0.05
 
 
 def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
@@ -195,7 +200,7 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
   if halves_pair_up(batch=batch, cut_rows=cut.rows, pieces=cut.pieces):
     return span
   partials_mb = cut.rows * cut.pieces * num_heads * LATENT_F32_BYTES / 1e6
-  return span + COMBINE_US + COMBINE_MB_US * partials_mb
+  return span + COMBINE_US + COMBINE_PIECE_US * cut.pieces + COMBINE_MB_US * partials_mb
 
 
 @functools.lru_cache(maxsize=256)
@@ -212,7 +217,7 @@ def wave_plan(
   take short pieces instead: the count of rows and of pieces (`PLAN_PIECES`,
   or `pieces` alone; with `pairs_only`, halves that pair up alone) that
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
-  beats the whole rows' waves. No cut with several splits, within one wave or
+  beats the whole rows' waves by `PLAN_MARGIN`. No cut with several splits, within one wave or
   past two, and for a one-tile list.
   """
   tiles = topk // TILE
@@ -223,7 +228,7 @@ def wave_plan(
   choices = [p for p in ((2,) if pairs_only else (pieces,) if pieces else PLAN_PIECES)
              if p <= tiles]
   best, best_cost = none, plan_cost(batch=batch, num_heads=num_heads, tiles=tiles, cut=none,
-                                    num_sms=num_sms)
+                                    num_sms=num_sms) * (1 - PLAN_MARGIN)
   for n in choices:
     for rows in range(max(1, batch - num_sms // groups), batch + 1):
       cut = RowCut(rows, n)
