@@ -62,11 +62,11 @@ def _poison_unselected(cache, idx):
 
 
 def _run(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0, stage_out=True,
-         cluster_merge=None):
+         cluster_merge=None, combine="kernel"):
   return sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
       config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs, stage_out=stage_out,
-                                   cluster_merge=cluster_merge),
+                                   cluster_merge=cluster_merge, combine=combine),
   )
 
 
@@ -158,13 +158,15 @@ def test_nan_poisoning():
   _check(out[live], lse[live], ref_out[live], ref_lse[live])
 
   # "multiply" gives NaN exactly where the reference (the production bug) does,
-  # with the rows' -1s in one split, both, or a split of -1s alone.
+  # with the rows' -1s in one split, both, or a split of -1s alone; two splits
+  # merged by the merge kernel, by XLA's combine, or by the kernel's clusters.
   ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
   want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
   np.testing.assert_array_equal(want, [False, True, True, False, True])
-  for splits, cluster in ((1, None), (2, False), (2, True)):
+  for splits, cluster, combine in ((1, None, "kernel"), (2, False, "kernel"), (2, False, "xla"),
+                                   (2, True, "kernel")):
     out, lse = _run(q, poisoned, idx, "multiply", splits=splits, interpret=FAST,
-                    cluster_merge=cluster)
+                    cluster_merge=cluster, combine=combine)
     nan_rows = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
     np.testing.assert_array_equal(nan_rows, want)
     assert np.isfinite(np.asarray(out[0], np.float32)).all()
@@ -508,6 +510,9 @@ def test_config_validation():
   SparseMLADecodeConfig(num_splits=1, cluster_merge=True)  # halves where the shape cuts rows
   with pytest.raises((TypeError, ValueError), match="cluster_merge"):
     SparseMLADecodeConfig(num_splits=2, cluster_merge=1)
+  for combine in ("XLA", "pallas", None):
+    with pytest.raises((TypeError, ValueError), match="combine"):
+      SparseMLADecodeConfig(combine=combine)
 
 
 def test_tuned_entries_match_their_batches_alone():
