@@ -528,12 +528,14 @@ def test_tuned_entries_match_their_batches_alone():
   assert config_from_entries(entries, batch=12, num_heads=64, topk=2048) is None
   assert config_from_entries(entries, batch=8, num_heads=32, topk=2048) is None
   assert heuristic_config(batch=12, num_heads=64, topk=2048).num_splits == 8
-  # Half the heuristic's count, merged in clusters, where that was measured faster.
-  assert heuristic_config(batch=5, num_heads=64, topk=2048).num_splits == 16
-  assert config_from_entries(entries, batch=5, num_heads=64, topk=2048).num_splits == 8
-  assert heuristic_config(batch=16, num_heads=64, topk=2048).num_splits == 8
-  config = config_from_entries(entries, batch=16, num_heads=64, topk=2048)
-  assert config.num_splits == 4 and merges_in_cluster(config, batch=16, num_heads=64)
+  # With the merge kernel the heuristic's count won again at 5 and 16 x 64, 1 x 128
+  # and 4 x 16, whose entries went; 4 x 128 keeps half of it, merged in clusters.
+  for batch, heads, splits in ((5, 64, 16), (16, 64, 8), (1, 128, 32), (4, 16, 32)):
+    assert config_from_entries(entries, batch=batch, num_heads=heads, topk=2048) is None
+    assert heuristic_config(batch=batch, num_heads=heads, topk=2048).num_splits == splits
+  assert heuristic_config(batch=4, num_heads=128, topk=2048).num_splits == 16
+  config = config_from_entries(entries, batch=4, num_heads=128, topk=2048)
+  assert config.num_splits == 8 and merges_in_cluster(config, batch=4, num_heads=128)
   assert heuristic_config(batch=8, num_heads=128, topk=2048).num_splits == 8
   # Where an entry's count differs from the heuristic's, it is the entry's.
   assert config_from_entries(entries, batch=3, num_heads=64, topk=2048).num_splits == 16
