@@ -28,7 +28,7 @@ from jaxkv.kernels.mla_decode.layout import (
     stage_store,
     store_head_rows,
 )
-from jaxkv.kernels.mla_decode.seesaw import softmax_finish, softmax_start
+from jaxkv.kernels.sparse_mla_decode.piece_merge import weighted_merge
 
 
 def cluster_sync() -> None:
@@ -115,22 +115,9 @@ def merge_row(
   m = lses[0]
   for lse_j in lses[1:]:
     m = jnp.maximum(m, lse_j)
-  # No live split: m is -inf, every weight is selected to 0, l stays 0.
-  m_ref = jnp.where(m == -jnp.inf, 0.0, m)
-  acc, _, l = softmax_start(merge_cols)
-  for lse_j, part in zip(lses, parts):
-    live = lse_j > -jnp.inf
-    w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
-    o_j = part()
-    keep = lax.broadcast_in_dim(live, o_j.shape, [0])
-    if not select:
-      # A split of masked slots alone that met NaN in "multiply" poisons the
-      # row, as the production merge's weight-0 product does.
-      keep = keep | jnp.isnan(o_j)
-    acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
-    l = l + w
-  res, lse_row = softmax_finish(acc, m, l)
-  res = jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0).astype(out_dtype)
+  res, lse_row = weighted_merge(m, [lambda v=v: v for v in lses], parts, cols=merge_cols,
+                                select=select)
+  res = res.astype(out_dtype)
 
   def store_lse(rows=heads, staged=False):
     # The row's LSE, once per cluster (CTA 0's first consumer).

@@ -55,6 +55,41 @@ def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = No
   return cols
 
 
+def weighted_merge(m, lses, parts, *, cols: int, select: bool):
+  """`combine_splits` of a row tile's partials, in registers: `(result, LSE)`.
+
+  Args:
+    m: `[64]` f32 (WGMMA rows): the partials' largest LSE in log2 units
+      (-inf where none is live).
+    lses: for each partial, a function giving its `[64]` LSE in log2 units
+      (-inf: it attended to nothing, weight 0).
+    parts: for each partial, a function giving its normalised `[64, cols]`
+      f32 tile (WGMMA layout), called once, in order.
+    cols: the tiles' channels.
+    select: the mask mode. In "multiply" (False) a NaN in a partial of no
+      weight poisons its row, as the production merge's weight-0 product
+      does; in "select" such a partial's tile is never used.
+
+  Returns:
+    the merged `[64, cols]` f32 tile (0 in a row of no live partial, even
+    where "multiply" met NaN) and its natural-log LSE (-inf there).
+  """
+  m_ref = jnp.where(m == -jnp.inf, 0.0, m)  # no live partial: every weight 0
+  acc, _, l = softmax_start(cols)
+  for lse, part in zip(lses, parts):
+    lse_j = lse()
+    live = lse_j > -jnp.inf
+    w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
+    o_j = part()
+    keep = lax.broadcast_in_dim(live, o_j.shape, [0])
+    if not select:
+      keep = keep | jnp.isnan(o_j)
+    acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
+    l = l + w
+  res, lse = softmax_finish(acc, m, l)
+  return jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0), lse
+
+
 def build_piece_merge(
     *, rows: int, pieces: int, heads_padded: int, out_heads: int, out_dtype, select: bool,
     interpret, first_row: int | None = None, cols: int | None = None,
@@ -121,22 +156,15 @@ def build_piece_merge(
     m = log2_lse(0)
     for j in range(1, pieces):
       m = jnp.maximum(m, log2_lse(j))
-    m_ref = jnp.where(m == -jnp.inf, 0.0, m)  # no live piece: every weight 0
-    acc, _, l = softmax_start(cols)
-    for j in range(pieces):
-      lse_j = log2_lse(j)
-      live = lse_j > -jnp.inf
-      w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
+
+    def tile(j):  # piece j's tile, once it has landed
       plgpu.barrier_wait(o_bar.at[j])
-      o_j = plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
-      keep = lax.broadcast_in_dim(live, o_j.shape, [0])
-      if not select:
-        keep = keep | jnp.isnan(o_j)
-      acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
-      l = l + w
-    res, lse = softmax_finish(acc, m, l)
-    # A row of empty pieces alone is 0 even where "multiply" met NaN.
-    res = jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0).astype(out_dtype)
+      return plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
+
+    res, lse = weighted_merge(
+        m, [lambda j=j: log2_lse(j) for j in range(pieces)],
+        [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select)
+    res = res.astype(out_dtype)
 
     def store_whole():
       stage_store(out_buf, res, out_ref.at[row, heads, chans])
