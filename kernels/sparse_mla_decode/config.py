@@ -220,8 +220,8 @@ def wave_plan(
   take short pieces instead: the count of rows and of pieces (`PLAN_PIECES`,
   or `pieces` alone; with `pairs_only`, halves that pair up alone) that
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
-  beats the whole rows' waves by `PLAN_MARGIN`. No cut with several splits, within one wave or
-  past two, and for a one-tile list.
+  beats the whole rows' waves by `PLAN_MARGIN`. No cut with several splits,
+  within one wave or past two, and for a one-tile list.
   """
   tiles = topk // TILE
   none = RowCut(0, 2)
