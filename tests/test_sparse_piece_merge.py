@@ -58,7 +58,8 @@ def _check(out, lse, o, lse_in, out_heads, *, select):
 @pytest.mark.parametrize(
     "select, pieces, hp, out_heads, out_dtype, cols",
     [(True, 4, 128, 128, jnp.bfloat16, 64), (False, 3, 128, 72, jnp.float32, 32),
-     (False, 8, 64, 16, jnp.bfloat16, None), (True, 32, 64, 64, jnp.float32, 16), (False, 16, 64, 40, jnp.bfloat16, 32)],
+     (False, 8, 64, 16, jnp.bfloat16, None), (True, 32, 64, 64, jnp.float32, 16),
+     (False, 16, 64, 40, jnp.bfloat16, 32)],
 )
 def test_matches_combine_splits(select, pieces, hp, out_heads, out_dtype, cols):
   """A new result: each row's merge as `combine_splits` gives it (NaN in
