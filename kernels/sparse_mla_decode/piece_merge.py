@@ -43,6 +43,7 @@ MAX_COLS = 64
 MIN_COLS = 8
 # Pieces in SMEM at once at 16 channels, and mbarriers per group.
 MAX_PIECES = 32
+PIECES_PER_COPY = 1
 
 
 def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = None) -> int:
@@ -93,6 +94,7 @@ def weighted_merge(m, lses, parts, *, cols: int, select: bool):
 def build_piece_merge(
     *, rows: int, pieces: int, heads_padded: int, out_heads: int, out_dtype, select: bool,
     interpret, first_row: int | None = None, cols: int | None = None,
+    per_copy: int | None = None,
 ):
   """Returns `(o, lse) -> (out, lse_out)`, or with `first_row` `(o, lse, out,
   lse_out) -> (out, lse_out)` updating `out` and `lse_out` in place.
@@ -116,6 +118,8 @@ def build_piece_merge(
       `out` `[batch, out_heads, 512]` and `lse_out` `[batch, out_heads]`
       given, whose other rows come back as they were.
     cols: value channels per CTA (default `merge_cols`).
+    per_copy: pieces' tiles per TMA copy (default `PIECES_PER_COPY`; one
+      where the last head group is short).
   """
   head_groups = heads_padded // HEAD_TILE
   assert heads_padded % HEAD_TILE == 0 and 2 <= pieces <= MAX_PIECES
@@ -124,6 +128,9 @@ def build_piece_merge(
   assert LATENT % cols == 0 and pieces * HEAD_TILE * cols * 4 <= TILES_SMEM
   tail_heads = last_group_rows(out_heads, heads_padded)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
+  # Pieces per copy: a copy of several pieces' tiles needs them contiguous in
+  # SMEM, which a short last head group's rows are not.
+  per = (PIECES_PER_COPY if per_copy is None else per_copy) if tail_heads == HEAD_TILE else 1
 
   def merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, out_buf, lse_stage,
                    o_bar, lse_bar):
@@ -134,18 +141,19 @@ def build_piece_merge(
     # The pieces' LSE (all 64 rows: 256 bytes a piece), then their tiles.
     plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
 
-    def fetch(first_head, n):  # the pieces' tiles' first n rows
-      for j in range(pieces):
-        plgpu.copy_gmem_to_smem(o_ref.at[b, j, pl.ds(first_head, n), chans],
-                                o_buf.at[j, pl.ds(0, n)], o_bar.at[j])
+    def fetch(first_head, n, per):  # the pieces' tiles' first n rows, `per` a copy
+      for j in range(0, pieces, per):
+        k = min(per, pieces - j)
+        plgpu.copy_gmem_to_smem(o_ref.at[pl.ds(b * pieces + j, k), pl.ds(first_head, n), chans],
+                                o_buf.at[pl.ds(j, k), pl.ds(0, n)], o_bar.at[j])
 
     # A last head group of fewer real heads reads their tiles' rows alone: the
     # decode kernel writes no other rows of its partials. The tiles' other rows
     # hold whatever SMEM held; each row's merge is its own and no store takes
     # them.
     by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
-                  whole=lambda: fetch(g * HEAD_TILE, HEAD_TILE),
-                  tail=lambda: fetch(heads_padded - HEAD_TILE, tail_heads))
+                  whole=lambda: fetch(g * HEAD_TILE, HEAD_TILE, per),
+                  tail=lambda: fetch(heads_padded - HEAD_TILE, tail_heads, 1))
 
     def log2_lse(j):
       # Loaded again where used: every piece's LSE held in registers would
@@ -158,7 +166,8 @@ def build_piece_merge(
       m = jnp.maximum(m, log2_lse(j))
 
     def tile(j):  # piece j's tile, once it has landed
-      plgpu.barrier_wait(o_bar.at[j])
+      if j % per == 0:
+        plgpu.barrier_wait(o_bar.at[j])
       return plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
 
     res, lse = weighted_merge(
@@ -204,14 +213,17 @@ def build_piece_merge(
       kernel_name="jaxkv_sparse_mla_decode_merge",
       interpret=interpret,
   )
+  # The partials with rows and pieces as one dimension (a free reshape): a
+  # copy of several pieces' tiles is then a box of three dimensions.
+  flat = lambda o: o.reshape(rows * pieces, heads_padded, LATENT)
   if first_row is None:
-    return call
+    return lambda o, lse: call(flat(o), lse)
 
   def merge_in_place(o, lse, out, lse_out):
     assert first_row + rows <= out.shape[0] and out.shape[1:] == (out_heads, LATENT)
 
     def in_place(refs):
-      call(o, lse, *refs)
+      call(flat(o), lse, *refs)
 
     return pl.run_state(in_place)((out, lse_out))
 
