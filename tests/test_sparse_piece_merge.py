@@ -56,16 +56,17 @@ def _check(out, lse, o, lse_in, out_heads, *, select):
 
 
 @pytest.mark.parametrize(
-    "select, pieces, hp, out_heads, out_dtype, cols",
-    [(True, 4, 128, 128, jnp.bfloat16, 64), (False, 3, 128, 72, jnp.float32, 32),
-     (False, 8, 64, 16, jnp.bfloat16, None), (True, 32, 64, 64, jnp.float32, 16),
-     (False, 16, 64, 40, jnp.bfloat16, 32)],
+    "select, pieces, hp, out_heads, out_dtype, cols, per_copy",
+    [(True, 4, 128, 128, jnp.bfloat16, 64, None), (False, 3, 128, 72, jnp.float32, 32, None),
+     (False, 8, 64, 16, jnp.bfloat16, None, None), (True, 32, 64, 64, jnp.float32, 16, None),
+     (False, 16, 64, 40, jnp.bfloat16, 32, None), (False, 12, 128, 128, jnp.bfloat16, 32, 5)],
 )
-def test_matches_combine_splits(select, pieces, hp, out_heads, out_dtype, cols):
+def test_matches_combine_splits(select, pieces, hp, out_heads, out_dtype, cols, per_copy):
   """A new result: each row's merge as `combine_splits` gives it (NaN in
   exactly its places), at 3 to 32 pieces and 8 (`merge_cols`' choice at 8
   pieces) to 64 channels, whole and partial last head groups (the rows past
-  `out_heads` hold NaN and are never read), bf16 and f32."""
+  `out_heads` hold NaN and are never read), bf16 and f32; whole groups'
+  tiles come 8 pieces a copy (4 copies at 32 pieces), or 5, 5 and 2."""
   rows = 3
   if cols is None:
     assert merge_cols(rows=rows, head_groups=hp // 64, pieces=pieces) == 8
@@ -74,7 +75,8 @@ def test_matches_combine_splits(select, pieces, hp, out_heads, out_dtype, cols):
   lse = lse.at[:, :, out_heads:].set(jnp.nan)
   merge = build_piece_merge(rows=rows, pieces=pieces, heads_padded=hp, out_heads=out_heads,
                             out_dtype=out_dtype, select=select,
-                            interpret=FAST if pieces >= 16 else INTERPRET, cols=cols)
+                            interpret=FAST if pieces >= 16 else INTERPRET, cols=cols,
+                            per_copy=per_copy)
   out, out_lse = jax.jit(merge)(o, lse)
   assert out.shape == (rows, out_heads, 512) and out.dtype == out_dtype
   want = _check(out, out_lse, o, lse, out_heads, select=select)
