@@ -11,9 +11,10 @@ the axis (3.8-9.2 µs on the H200 for 2-17 MB of partials). This kernel took
 Here one CTA per (row, head group, `cols` value channels) brings all of the
 row's partial tiles into SMEM at once by TMA, `PIECES_PER_COPY` pieces a copy
 and the pieces' LSE in one more, takes the LSE maximum first, then sums the
-weighted tiles as they land, and stores its tile of the result by TMA. Cut rows are
-merged into the decode kernel's output in place (a Pallas state discharge
-aliases it): the rows the kernel finished are neither read nor written.
+weighted tiles as they land, and stores its tile of the result by TMA. Cut
+rows are merged into the decode kernel's output in place (a Pallas state
+discharge aliases it): the rows the kernel finished are neither read nor
+written.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ def build_piece_merge(
     # The pieces' LSE (all 64 rows: 256 bytes a piece), then their tiles.
     plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
 
-    def fetch(first_head, n, per):  # the pieces' tiles' first n rows, `per` a copy
-      for j in range(0, pieces, per):
-        k = min(per, pieces - j)
+    def fetch(first_head, n, at_once):  # the tiles' first n rows, `at_once` pieces a copy
+      for j in range(0, pieces, at_once):
+        k = min(at_once, pieces - j)
         plgpu.copy_gmem_to_smem(o_ref.at[pl.ds(b * pieces + j, k), pl.ds(first_head, n), chans],
                                 o_buf.at[pl.ds(j, k), pl.ds(0, n)], o_bar.at[j])
 
