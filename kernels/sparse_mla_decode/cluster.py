@@ -112,10 +112,7 @@ def merge_row(
       lambda j=j: plgpu.load(part_o_ref.at[j, heads, chans], layout=plgpu.Layout.WGMMA,
                              optimized=False)
       for j in peers]
-  m = lses[0]
-  for lse_j in lses[1:]:
-    m = jnp.maximum(m, lse_j)
-  res, lse_row = weighted_merge(m, [lambda v=v: v for v in lses], parts, cols=merge_cols,
+  res, lse_row = weighted_merge([lambda v=v: v for v in lses], parts, cols=merge_cols,
                                 select=select)
   res = res.astype(out_dtype)
 

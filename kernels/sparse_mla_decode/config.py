@@ -144,12 +144,13 @@ class RowCut(NamedTuple):
 # The cost model of `wave_plan`, in µs on the H200 (top-k 2048, 2026-12-04:
 # 32 tiles in ~75 µs per CTA under a full machine, 8.4 µs for a lone CTA of
 # one tile; the merge kernel after the decode kernel 2.1-4.9 µs for 1 to 18
-# cut rows in 4-32 pieces, 1-15 MB of partials: a launch, each CTA's copies
-# one per piece, and the bytes; NOTES.md).
+# cut rows in 4-32 pieces, 1-15 MB of partials: a launch, each CTA's work per
+# piece, and the bytes. Fitted with one TMA copy per piece; 8 a copy, the
+# default since, moved 4-16 pieces by 0.3 µs at most; NOTES.md).
 TILE_US = 2.25  # a CTA's 64-index tile while every SM streams
 CTA_US = 5.0  # a CTA's fixed cost: its query, its first gather, its epilogue
 COMBINE_US = 1.2  # the merge kernel after the decode kernel, plus ...
-COMBINE_PIECE_US = 0.09  # ... per piece of a row (each CTA copies them in turn) ...
+COMBINE_PIECE_US = 0.09  # ... per piece of a row (each CTA sums them in turn) ...
 COMBINE_MB_US = 0.17  # ... per MB of the partials it reads (mostly from L2)
 # The piece counts `wave_plan` weighs. (Measured on the H200, 2026-12-04,
 # µs end to end with the merge kernel: 16 pieces against 8 ran 89.8 / 93.3

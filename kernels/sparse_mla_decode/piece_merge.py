@@ -60,14 +60,13 @@ def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = No
   return cols
 
 
-def weighted_merge(m, lses, parts, *, cols: int, select: bool):
+def weighted_merge(lses, parts, *, cols: int, select: bool):
   """`combine_splits` of a row tile's partials, in registers: `(result, LSE)`.
 
   Args:
-    m: `[64]` f32 (WGMMA rows): the partials' largest LSE in log2 units
-      (-inf where none is live).
-    lses: for each partial, a function giving its `[64]` LSE in log2 units
-      (-inf: it attended to nothing, weight 0).
+    lses: for each partial, a function giving its `[64]` f32 LSE (WGMMA
+      rows) in log2 units (-inf: it attended to nothing, weight 0), called
+      twice: for the partials' maximum first, then for each weight.
     parts: for each partial, a function giving its normalised `[64, cols]`
       f32 tile (WGMMA layout), called once, in order.
     cols: the tiles' channels.
@@ -79,6 +78,9 @@ def weighted_merge(m, lses, parts, *, cols: int, select: bool):
     the merged `[64, cols]` f32 tile (0 in a row of no live partial, even
     where "multiply" met NaN) and its natural-log LSE (-inf there).
   """
+  m = lses[0]()
+  for lse in lses[1:]:
+    m = jnp.maximum(m, lse())
   m_ref = jnp.where(m == -jnp.inf, 0.0, m)  # no live partial: every weight 0
   acc, _, l = softmax_start(cols)
   for lse, part in zip(lses, parts):
@@ -165,9 +167,6 @@ def build_piece_merge(
       return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
 
     plgpu.barrier_wait(lse_bar)
-    m = log2_lse(0)
-    for j in range(1, pieces):
-      m = jnp.maximum(m, log2_lse(j))
 
     def tile(j):  # piece j's tile, once it has landed
       if j % per == 0:
@@ -175,7 +174,7 @@ def build_piece_merge(
       return plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
 
     res, lse = weighted_merge(
-        m, [lambda j=j: log2_lse(j) for j in range(pieces)],
+        [lambda j=j: log2_lse(j) for j in range(pieces)],
         [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select)
     res = res.astype(out_dtype)
 
