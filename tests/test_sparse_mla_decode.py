@@ -391,10 +391,16 @@ def test_wave_plan():
     return wave_plan(batch=batch, num_heads=heads, topk=topk, num_splits=splits,
                      pieces=pieces)
 
-  assert plan(66, 128) == (0, 2) and plan(132, 64) == (0, 2)  # one wave exactly
-  assert plan(265, 64) == (0, 2) and plan(128, 128) == (0, 2)  # two waves or more
-  assert plan(110, 128) == (0, 2)  # no cut beats two waves of whole rows
-  assert plan(150, 64, splits=2) == (0, 2) and plan(150, 64, topk=64) == (0, 2)
+  assert plan(66, 128) == RowCut(0, 2) and plan(132, 64) == RowCut(0, 2)  # one wave exactly
+  assert plan(264, 64) == RowCut(0, 2) and plan(128, 128) == RowCut(0, 2)  # two waves, nearly full
+  # No cut beats two waves of whole rows, the stream does; past two waves, the
+  # stream where the last wave is light.
+  assert plan(110, 128) == RowCut(0, 2, 66) and plan(265, 64) == RowCut(0, 2, 132)
+  assert plan(200, 128) == RowCut(0, 2, 66) and plan(400, 64) == RowCut(0, 2, 132)
+  assert plan(120, 128) == RowCut(0, 2) and plan(230, 64) == RowCut(0, 2)
+  assert wave_plan(batch=110, num_heads=128, topk=2048, num_splits=1, stream=False) == RowCut(0, 2)
+  assert plan(300, 64, splits=2) == RowCut(0, 2)
+  assert plan(150, 64, splits=2) == RowCut(0, 2) and plan(150, 64, topk=64) == RowCut(0, 2)
   for batch, heads in ((67, 128), (133, 64), (70, 128)):  # just past one wave
     cut = plan(batch, heads)
     assert cut.rows <= 4 and cut.pieces == 16, cut
@@ -402,15 +408,17 @@ def test_wave_plan():
     cut = plan(batch, heads)
     assert cut.pieces == 2 and (batch - cut.rows) % 2 == 0, cut
   assert plan(133, 64, pieces=2).pieces == 2 and plan(133, 64, topk=256).pieces <= 4
-  for batch, heads in ((67, 128), (80, 128), (99, 128), (140, 16), (150, 64), (200, 64)):
+  for batch, heads in ((67, 128), (80, 128), (99, 128), (110, 128), (140, 16), (150, 64),
+                       (200, 64)):
     groups = -(-heads // 64)
     cut = plan(batch, heads)
     costs = [plan_cost(batch=batch, num_heads=heads, tiles=32, cut=c)
-             for c in (cut, RowCut(0, 2), RowCut(batch - 132 // groups, 2))]
+             for c in (cut, RowCut(0, 2), RowCut(batch - 132 // groups, 2),
+                       RowCut(0, 2, 132 // groups))]
     # (No cut where no cut was modelled `PLAN_MARGIN` slower.)
     assert costs[0] <= min(costs[1:]) or (
-        cut.rows == 0 and min(costs[1:]) >= costs[0] * (1 - PLAN_MARGIN)), (batch, heads, costs)
-  assert plan(200, 16) == (0, 2)  # a cut modelled within the margin of no cut
+        cut == RowCut(0, 2) and min(costs[1:]) >= costs[0] * (1 - PLAN_MARGIN)), (batch, heads, costs)
+  assert plan(200, 16) == RowCut(0, 2)  # a cut modelled within the margin of no cut
 
 
 def test_cut_rows_validation():
@@ -426,6 +434,69 @@ def test_cut_rows_validation():
                  SparseMLADecodeConfig(cut_rows=1, pieces=3)):
     with pytest.raises(ValueError, match="cut_rows"):
       sparse_mla_decode(q, cache, idx, sm_scale=SCALE, config=config)
+
+
+def test_parts_validation():
+  """`parts`: 0, None or at least 2, one split without cut rows or clusters,
+  at most the batch (each part at least a row long)."""
+  for parts in (1, -2, True, 2.0):
+    with pytest.raises((TypeError, ValueError), match="parts"):
+      SparseMLADecodeConfig(parts=parts)
+  for kw in (dict(num_splits=2), dict(cut_rows=1), dict(cluster_merge=True, cut_rows=2)):
+    with pytest.raises(ValueError, match="parts"):
+      SparseMLADecodeConfig(parts=3, **kw)
+  config = SparseMLADecodeConfig(parts=3)
+  assert rows_to_cut(config, batch=5, num_heads=64, topk=256) == RowCut(0, 2, 3)
+  q, cache, idx = _inputs(0, 2, 16, 64)
+  with pytest.raises(ValueError, match="parts"):
+    sparse_mla_decode(q, cache, idx, sm_scale=SCALE, config=SparseMLADecodeConfig(parts=3))
+
+
+@pytest.mark.parametrize(
+    "heads, mode, batch, tiles, parts, combine",
+    [(64, "select", 5, 2, 3, "kernel"), (128, "multiply", 5, 2, 3, "kernel"),
+     (16, "select", 6, 2, 4, "xla"), (64, "multiply", 4, 2, 2, "kernel")],
+)
+def test_stream_schedule(heads, mode, batch, tiles, parts, combine):
+  """`parts`: equal runs of the batch's tiles per CTA, rows cut between runs
+  merged after the kernel. 5 rows of 2 tiles in 3 parts (tiles 0-2, 3-5,
+  6-9): rows 1 and 2 cut, part 1 three segments (a row's second tile, a
+  whole row, a row's first tile); 6 rows in 4 parts (rows 1 and 4 cut); 4
+  rows in 2 parts (the boundary between rows 1 and 2: nothing cut). Row 1's
+  first tile holds no valid index, the last row none at all. The
+  reference's result (the dead row 0 and -inf), the race detector on the
+  first case; NaN in slot 0 and in every slot no row indexes leaves "select"
+  bit-equal to clean memory, and "multiply" gives NaN exactly where the
+  reference does (row 1's NaN null block, met only in its first piece,
+  poisons the merged row)."""
+  q, cache, idx = _inputs(61 + batch, batch, heads, 64 * tiles, invalid=0.2,
+                          dead_rows=(batch - 1,))
+  idx = idx.at[1, :64].set(-1)
+  if mode == "multiply":
+    q = q.astype(jnp.float32)  # a float32 result, from registers and the merge
+  config = SparseMLADecodeConfig(parts=parts, combine=combine)
+  first = heads == 64 and mode == "select"
+
+  def run(c, mode, interpret=FAST):
+    return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
+                             config=config)
+
+  out, lse = run(cache, mode, interpret=INTERPRET if first else FAST)
+  assert out.shape == (batch, heads, 512) and out.dtype == q.dtype and lse.shape == (batch, heads)
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  _check(out[:-1], lse[:-1], ref_out[:-1], ref_lse[:-1])
+  assert (np.asarray(out[-1], np.float32) == 0).all() and (np.asarray(lse[-1]) == -np.inf).all()
+  if mode == "multiply" and heads == 128:
+    return
+  poisoned = _poison_unselected(cache, idx)
+  clean = out if mode == "select" else run(cache, "select")[0]
+  sel_out, _ = run(poisoned, "select")
+  np.testing.assert_array_equal(np.asarray(sel_out, np.float32), np.asarray(clean, np.float32))
+  ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
+  want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
+  assert want[1] and not want[-1]
+  mul_out, _ = run(poisoned, "multiply")
+  np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
 
 
 @pytest.mark.parametrize("mode, splits", [("select", 1), ("multiply", 2)])
@@ -672,6 +743,22 @@ def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select
   assert "gpu.cluster_block_id" in text
 
 
+@pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
+def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, heads):
+  """`parts` on the compiled path: a loop over a part's row segments, the
+  query reloaded per segment, the result, and both pieces' partial stores in
+  one body."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 5, 128
+  call = K.build_kernel(
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, parts=3,
+  )
+  _assert_lowers(call, batch, heads, topk, select)
+
+
 @pytest.mark.parametrize(
     "heads, stage_out, pad, cut, splits",
     [(16, True, False, False, 1), (96, True, False, False, 1), (16, False, False, True, 1),
@@ -699,7 +786,7 @@ def test_wave_plan_counts_the_devices_sms(request):
   multiprocessors: 60 x 128 heads (120 CTAs) is one wave of an H200's 132
   SMs, and overruns one of 114."""
   auto = SparseMLADecodeConfig()
-  assert rows_to_cut(auto, batch=60, num_heads=128, topk=2048) == (0, 2)
+  assert rows_to_cut(auto, batch=60, num_heads=128, topk=2048) == RowCut(0, 2)
   request.getfixturevalue("h100_pcie")
   cut = rows_to_cut(auto, batch=60, num_heads=128, topk=2048)
   assert cut.rows > 0 and cut == wave_plan(batch=60, num_heads=128, topk=2048, num_splits=1,

@@ -133,3 +133,41 @@ def test_lowers_for_hopper(first_row):
   text = jax.jit(merge).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
   assert ("output_operand_aliases" in text) == (first_row is not None)
+
+
+@pytest.mark.parametrize("select, q_heads", [(True, None), (False, 16)])
+def test_stream_boundaries_merge_into_the_rows_they_cut(select, q_heads):
+  """With `stream`, partial r is the row cut at boundary r + 1 of the stream
+  schedule: 4 rows of 3 tiles in 3 parts (boundaries at tiles 4 and 8: rows
+  1 and 2 cut) and 3 rows of 4 tiles in 3 parts (boundaries at tiles 4 and 8,
+  between rows: nothing merged). The cut rows get `combine_splits` of their
+  two pieces; the other rows (random bytes) come back bit for bit. With
+  `q_heads`, only the real heads' partial rows are read (the others are
+  NaN) and only their result rows written."""
+  hp = 64
+  out_heads = hp
+  for batch, tiles, cut_rows in ((4, 3, (1, 2)), (3, 4, ())):
+    parts = 3
+    o, lse = _partials(5, parts - 1, 2, hp, select=select)
+    if q_heads:
+      o = o.at[:, :, q_heads:].set(jnp.nan)
+      lse = lse.at[:, :, q_heads:].set(jnp.nan)
+    bits = jax.random.bits(jax.random.key(6), (batch, out_heads, 512), jnp.uint16)
+    base = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    base_lse = jax.random.normal(jax.random.key(7), (batch, out_heads), jnp.float32)
+    merge = build_piece_merge(rows=parts - 1, pieces=2, heads_padded=hp, out_heads=out_heads,
+                              out_dtype=jnp.bfloat16, select=select, interpret=INTERPRET,
+                              first_row=0, stream=(batch * tiles, parts, tiles),
+                              q_heads=q_heads)
+    out, out_lse = jax.jit(merge)(o, lse, base, base_lse)
+    bits16 = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+    real = q_heads or out_heads
+    for r in range(batch):
+      if r in cut_rows:
+        k = cut_rows.index(r)
+        _check(out[r:r + 1, :real], out_lse[r:r + 1, :real], o[k:k + 1], lse[k:k + 1], real,
+               select=select)
+        np.testing.assert_array_equal(bits16(out[r, real:]), bits16(base[r, real:]))
+      else:
+        np.testing.assert_array_equal(bits16(out[r]), bits16(base[r]))
+        np.testing.assert_array_equal(np.asarray(out_lse[r]), np.asarray(base_lse[r]))

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from jaxkv.kernels._common import DEFAULT_SMS, device_kind, load_tuning
 from jaxkv.kernels._common import num_sms as device_sms
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
+from jaxkv.kernels.sparse_mla_decode.stream import cut_boundaries
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
@@ -89,6 +90,11 @@ class SparseMLADecodeConfig:
       the H200 (top-k 2048, 2026-12-04) the kernel took 1.2-2.9 µs off a call
       (2 x 128 heads at 16 splits 17.4 -> 14.5 µs, 67 x 128 with one row in 8
       pieces 94.0 -> 92.8; NOTES.md).
+    parts: with one split, run the batch as the stream schedule
+      (`stream.py`): `parts` CTAs per head group, each over an equal run of
+      the batch's top-k tiles laid end to end, a row cut between two runs
+      merged afterwards (`piece_merge`). It needs `batch >= parts`. None:
+      `wave_plan`'s choice; 0: never. Not with `cut_rows` or `cluster_merge`.
   """
 
   num_splits: int = 1
@@ -99,6 +105,7 @@ class SparseMLADecodeConfig:
   pieces: int | None = None
   cluster_merge: bool | None = None
   combine: str = "kernel"
+  parts: int | None = None
 
   def __post_init__(self):
     value = self.num_splits
@@ -127,6 +134,14 @@ class SparseMLADecodeConfig:
       raise ValueError(
           f"{self.cluster_merge=} needs num_splits in {CLUSTER_SPLITS} (or 1, with rows cut"
           f" in halves), got {self.num_splits=}")
+    parts = self.parts
+    if parts is not None and (not isinstance(parts, int) or isinstance(parts, bool)
+                              or parts == 1 or parts < 0):
+      raise ValueError(f"parts={parts!r} must be None, 0 or an int >= 2")
+    if parts and (self.num_splits != 1 or self.cut_rows or self.cluster_merge):
+      raise ValueError(
+          f"{self.parts=} needs num_splits=1 without cut_rows or cluster_merge, got"
+          f" {self.num_splits=}, {self.cut_rows=}, {self.cluster_merge=}")
     if self.cluster_merge and self.num_splits == 1 and (self.cut_rows == 0
                                                          or self.pieces not in (None, 2)):
       raise ValueError(f"{self.cluster_merge=} with one split needs rows cut in halves,"
@@ -135,10 +150,13 @@ class SparseMLADecodeConfig:
 
 class RowCut(NamedTuple):
   """Rows of a one-split call cut into pieces: the batch's last `rows` rows,
-  `pieces` pieces each (none where `rows` is 0)."""
+  `pieces` pieces each (none where `rows` is 0); or with `parts`, the
+  stream schedule of `parts` CTAs per head group (`stream.py`; then `rows`
+  is 0)."""
 
   rows: int
   pieces: int
+  parts: int = 0
 
 
 # The cost model of `wave_plan`, in µs on the H200 (top-k 2048, 2026-12-04:
@@ -163,6 +181,16 @@ LATENT_F32_BYTES = 512 * 4  # a partial's row
 # waves its pieces ran ~10% slower than modelled (200 x 64: 4 pieces 176.3
 # µs against no cut 155.9), where its gains are within ~1%.
 PLAN_MARGIN = 0.05
+# The stream schedule's cost (`stream_cost`), fitted on the H200 (top-k 2048,
+# 2026-12-04, 13 shapes at 70-200 x 128 heads and 180-400 x 64: NOTES.md):
+# per tile of the longest part and a fixed part (the first gather, 2-3 row
+# segments each with its query and its store), by head groups: one group of
+# 64 heads is bound by the gather's bandwidth when every SM streams, two
+# share each row through L2. The merge of the cut rows (~131 rows in two
+# pieces) took 8.8-10 µs.
+STREAM_TILE_US = {1: 2.53, 2: 2.27}
+STREAM_FIXED_US = {1: 21.8, 2: 12.8}
+STREAM_MERGE_US = 9.0
 
 
 def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
@@ -194,6 +222,8 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
   (merged in the kernel's clusters)."""
   groups = -(-num_heads // 64)
   cta = tiles * TILE_US + CTA_US
+  if cut.parts:
+    return stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=cut.parts)
   if not cut.rows:
     return -(-batch * groups // num_sms) * cta
   whole = (batch - cut.rows) * groups
@@ -207,10 +237,19 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
   return span + COMBINE_US + COMBINE_PIECE_US * cut.pieces + COMBINE_MB_US * partials_mb
 
 
+def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int) -> float:
+  """The stream schedule's modelled time (µs): its longest part (every CTA
+  streams the whole time), plus the merge of the rows it cuts in two."""
+  groups = min(-(-num_heads // 64), 2)
+  span = STREAM_FIXED_US[groups] + -(-batch * tiles // parts) * STREAM_TILE_US[groups]
+  return span + (STREAM_MERGE_US if cut_boundaries(batch=batch, tiles=tiles, parts=parts)
+                 else 0.0)
+
+
 @functools.lru_cache(maxsize=256)
 def wave_plan(
     *, batch: int, num_heads: int, topk: int, num_splits: int, pieces: int | None = None,
-    pairs_only: bool = False, num_sms: int = DEFAULT_SMS,
+    pairs_only: bool = False, stream: bool = True, num_sms: int = DEFAULT_SMS,
 ) -> RowCut:
   """The rows to cut and their pieces (`SparseMLADecodeConfig.cut_rows=None`).
 
@@ -221,18 +260,28 @@ def wave_plan(
   take short pieces instead: the count of rows and of pieces (`PLAN_PIECES`,
   or `pieces` alone; with `pairs_only`, halves that pair up alone) that
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
-  beats the whole rows' waves by `PLAN_MARGIN`. No cut with several splits,
-  within one wave or past two, and for a one-tile list.
+  beats the whole rows' waves by `PLAN_MARGIN`. With `stream` (and neither
+  `pieces` nor `pairs_only`), the stream schedule of `num_sms / groups` CTAs
+  per head group (`stream_cost`) where it beats those, at any batch past one
+  wave. No cut with several splits, within one wave, past two (but the
+  stream), and for a one-tile list.
   """
   tiles = topk // TILE
   none = RowCut(0, 2)
   groups = -(-num_heads // 64)
-  if num_splits != 1 or tiles < 2 or not num_sms < batch * groups <= 2 * num_sms:
+  if num_splits != 1 or tiles < 2 or batch * groups <= num_sms:
     return none
   choices = [p for p in ((2,) if pairs_only else (pieces,) if pieces else PLAN_PIECES)
              if p <= tiles]
+  if batch * groups > 2 * num_sms:
+    choices = []
   best, best_cost = none, plan_cost(batch=batch, num_heads=num_heads, tiles=tiles, cut=none,
                                     num_sms=num_sms) * (1 - PLAN_MARGIN)
+  parts = num_sms // groups
+  if stream and not pieces and not pairs_only and parts >= 2:
+    cost = stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=parts)
+    if cost < best_cost - 1e-6:
+      best, best_cost = RowCut(0, 2, parts), cost
   for n in choices:
     for rows in range(max(1, batch - num_sms // groups), batch + 1):
       cut = RowCut(rows, n)
@@ -249,13 +298,16 @@ def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
                 topk: int) -> RowCut:
   """`config.cut_rows` and `config.pieces` (2 where None), or where `cut_rows`
   is None, `wave_plan` for this shape (for `config.pieces` alone if set; for
-  halves that pair up alone with `cluster_merge=True`, which merges them)."""
+  halves that pair up alone with `cluster_merge=True`, which merges them).
+  With `config.parts` set, that stream schedule (no rows cut into pieces)."""
+  if config.parts:
+    return RowCut(0, 2, config.parts)
   if config.cut_rows is not None:
     return RowCut(config.cut_rows, config.pieces or 2)
   return wave_plan(batch=batch, num_heads=num_heads, topk=topk,
                    num_splits=config.num_splits, pieces=config.pieces,
                    pairs_only=bool(config.cluster_merge) and config.pieces in (None, 2),
-                   num_sms=device_sms())
+                   stream=config.parts is None, num_sms=device_sms())
 
 
 def halves_pair_up(*, batch: int, cut_rows: int, pieces: int = 2) -> bool:

@@ -101,6 +101,7 @@ from jaxkv.kernels.mla_decode.seesaw import (
 )
 from jaxkv.kernels.sparse_mla_decode.cluster import cluster_sync, merge_row
 from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE, cluster_ctas
+from jaxkv.kernels.sparse_mla_decode.stream import part_bounds, part_rows, segment
 from jaxkv.kernels.sparse_mla_decode.gather import (
     FIRST_INVALID_SCRATCH,
     init_barriers,
@@ -143,6 +144,7 @@ def build_kernel(
     cut_rows: int = 0,
     pieces: int = 2,
     cluster_merge: bool = False,
+    parts: int = 0,
 ):
   """Builds the kernel call.
 
@@ -203,10 +205,22 @@ def build_kernel(
   merge nothing, or a cut row's halves, which merge each other's partials
   (exchanged through the two extra outputs) and store the row's result;
   nothing is left unwritten.
+
+  `parts` (with one split, no `cut_rows`, no `cluster_merge`, `2 <= parts
+  <= batch`): the stream schedule (`stream.py`): `parts` CTAs per head group,
+  each over an equal run of the batch's tiles laid end to end, row segment
+  by row segment (the query reloaded per segment; the KV ring runs on across
+  segments). A whole row's segment is the row's result, from registers in
+  the first two outputs; the two pieces of a row cut at the start of part p
+  go to two more outputs, o `[parts - 1, 2, heads_padded, 512]` and lse
+  `[parts - 1, 2, heads_padded]` f32, at index p - 1, for `piece_merge`.
+  The cut rows of the first two outputs are left unwritten.
   """
   assert topk % (TILE * num_splits) == 0
   assert cut_rows == 0 or (num_splits == 1 and 2 <= pieces <= topk // TILE
                            and cut_rows <= batch)
+  assert not parts or (num_splits == 1 and not cut_rows and not cluster_merge
+                       and 2 <= parts <= batch)
   assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not cut_rows) or (
       num_splits == 1 and cut_rows and pieces == 2 and (batch - cut_rows) % 2 == 0)
   check_choice("q_regs", q_regs, Q_REGS)
@@ -221,7 +235,9 @@ def build_kernel(
                               cluster_merge=cluster_merge)
   merge_cols = HALF // cluster_size  # value channels each consumer merges
   staged = stage_out and out_dtype == jnp.bfloat16
-  stage_out = staged and direct  # the kernel's own result of a whole row, staged
+  # The kernel's own result of a whole row, staged (not in the stream: the
+  # producer refills the last tile's stage with the next segment's tiles).
+  stage_out = staged and direct and not parts
   stage_merged = staged and cluster_merge  # the result of a cluster's merge, staged
   last_stage = (num_tiles - 1) % NUM_STAGES
   q_heads = heads_padded if q_heads is None else q_heads
@@ -271,9 +287,22 @@ def build_kernel(
       first = piece * num_tiles // pieces
       tok0 = jnp.where(whole, 0, first * TILE)
       n_tiles = jnp.where(whole, num_tiles, (piece + 1) * num_tiles // pieces - first)
+    n_steps = n_tiles  # the CTA's tiles, all segments
+    if parts:
+      # Part b's run of the batch's tiles (`stream.py`): rows [row_lo, row_hi).
+      beg, end = part_bounds(b, total=batch * num_tiles, parts=parts)
+      row_lo, row_hi = part_rows(beg, end, tiles=num_tiles)
+      n_steps = end - beg
+
+    def locate(j):
+      """The CTA's tile j: its row and the tile's first index in the row."""
+      if parts:
+        t = beg + j
+        return t // num_tiles, lax.rem(t, num_tiles) * TILE
+      return b, tok0 + j * TILE
 
     def scoped(q_lat, k_lat, k_rope, p_smem, xchg, ids, stage_idx,
-               q_bar, idx_bar, free_bar, sync_bar,
+               q_bar, idx_bar, free_bar, sync_bar, q_free_bar,
                m0_bar, p0_bar, p1_bar, p0_free, p1_free, *extra_refs):
       # q_lat [2, 64, 256] bf16: the latent query; k_lat [stages, 2, 64, 256]
       # and k_rope [stages, 64, 64] bf16: the KV ring; p_smem [64, 64] bf16: P
@@ -320,20 +349,23 @@ def build_kernel(
           # Before the query's copy: the consumers' wait on it orders their
           # first wait on a stage after this.
           init_barriers(landed, arrivals=128)
-        load_query(q_ref, b, g, head_groups=head_groups, tail_heads=tail_heads,
-                   q_lat=q_lat, q_rope=q_rope_smem, bar=q_bar)
+        query = functools.partial(load_query, q_ref, g=g, head_groups=head_groups,
+                                  tail_heads=tail_heads, q_lat=q_lat, q_rope=q_rope_smem,
+                                  bar=q_bar)
+        query(row_lo if parts else b)
 
-        def fetch_ids(tile):
-          ring = lax.rem(tile, IDX_STAGES)
+        def fetch_ids(j):
+          row, tok = locate(j)
+          ring = lax.rem(j, IDX_STAGES)
           plgpu.copy_gmem_to_smem(
-              idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)],
+              idx_ref.at[row, pl.ds(tok, TILE)],
               ids.at[ring],
               idx_bar.at[ring],
           )
 
-        for t in range(min(IDX_STAGES, num_tiles)):
-          if cut_rows:
-            pl.when(t < n_tiles)(lambda t=t: fetch_ids(t))
+        for t in range(IDX_STAGES if parts else min(IDX_STAGES, num_tiles)):
+          if cut_rows or parts:
+            pl.when(t < n_steps)(lambda t=t: fetch_ids(t))
           else:
             fetch_ids(t)
         # An invalid id copies nothing (but in "multiply" the first of a
@@ -346,9 +378,10 @@ def build_kernel(
           k_rope[...] = jnp.zeros(k_rope.shape, dtype)
         plgpu.commit_smem()
 
-        def gather(tile, stage, tile_ids):
+        def gather(j, stage, tile_ids):
           # The tile's indices travel with its rows: the consumers mask by them.
-          tile_idx = idx_ref.at[b, pl.ds(tok0 + tile * TILE, TILE)]
+          row, tok = locate(j)
+          tile_idx = idx_ref.at[row, pl.ds(tok, TILE)]
           if compiled:
             issue_gather(
                 tile_ids, cache_ref, k_lat.at[stage], k_rope.at[stage],
@@ -356,7 +389,7 @@ def build_kernel(
                 tile=TILE, transforms=bf16,
             )
           else:
-            ring = lax.rem(tile, IDX_STAGES)
+            ring = lax.rem(j, IDX_STAGES)
             plgpu.barrier_wait(idx_bar.at[ring])
             plgpu.copy_gmem_to_smem(tile_idx, stage_idx.at[stage], ready_bar.at[stage])
 
@@ -395,8 +428,7 @@ def build_kernel(
         # thread's arrival on `landed` completes with them), so the producer
         # moves on as soon as the next stage is free and both stages can be
         # filling at once; interpreted, the copies arrive on `ready_bar`.
-        @pl.loop(0, n_tiles)
-        def _(i):
+        def produce_tile(i):  # the CTA's tile i, of any segment
           stage = lax.rem(i, NUM_STAGES)
           # Compiled, the producer loads the tile's ids into registers (and
           # in "multiply" points the first invalid id at the null block,
@@ -415,13 +447,34 @@ def build_kernel(
           # Every thread's reads of the tile's ids before their refill (the
           # interpreter has no inline barrier: commit_smem is one too).
           (warpgroup_barrier if compiled else plgpu.commit_smem)()
-          pl.when(i + IDX_STAGES < n_tiles)(lambda: fetch_ids(i + IDX_STAGES))
+          pl.when(i + IDX_STAGES < n_steps)(lambda: fetch_ids(i + IDX_STAGES))
+
+        if parts:
+          def produce(row, carry):
+            steps, segs = carry
+            _, n = segment(row, beg, end, tiles=num_tiles)
+
+            @pl.when(segs > 0)
+            def _():
+              # The row's first tile goes out while the consumers finish the
+              # last row's; its query, once both are done with that one.
+              produce_tile(steps)
+              plgpu.barrier_wait(q_free_bar)
+              query(row)
+
+            pl.loop(jnp.minimum(segs, 1), n)(lambda i: produce_tile(steps + i))
+            return steps + n, segs + 1
+
+          lax.fori_loop(row_lo, row_hi, produce, (jnp.int32(0), jnp.int32(0)))
+          plgpu.barrier_wait(q_free_bar)  # the last segment's release
+        else:
+          pl.loop(0, n_tiles)(produce_tile)
 
         # Observe the releases of the last tiles too, so that every barrier
         # phase is consumed before the barriers go away.
-        if cut_rows:
+        if cut_rows or parts:
           for k in range(NUM_STAGES):
-            i = n_tiles - NUM_STAGES + k
+            i = n_steps - NUM_STAGES + k
             pl.when(i >= 0)(lambda i=i: plgpu.barrier_wait(free_bar.at[lax.rem(i, NUM_STAGES)]))
         else:
           for i in range(max(num_tiles - NUM_STAGES, 0), num_tiles):
@@ -442,14 +495,21 @@ def build_kernel(
         slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
         bars = (m0_bar, p0_bar, p1_bar, p0_free, p1_free)
 
-        plgpu.barrier_wait(q_bar)
-        # The RoPE part of the query lives in registers (16 per thread).
-        # (The interpreter cannot take a register operand for a wgmma into an
-        # accumulator ref: it reads it from SMEM.)
-        q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
-        q_head = query_head(q_lat, q_regs, in_regs=compiled)
+        def tiles(n, steps):
+          """A segment's n tiles, the CTA's tiles `steps` on: (acc, m, l_own)."""
+          plgpu.barrier_wait(q_bar)
+          # The RoPE part of the query lives in registers (16 per thread).
+          # (The interpreter cannot take a register operand for a wgmma into an
+          # accumulator ref: it reads it from SMEM.)
+          q_rope = plgpu.load(q_rope_smem, layout=plgpu.Layout.WGMMA) if compiled else q_rope_smem
+          q_head = query_head(q_lat, q_regs, in_regs=compiled)
+          step = functools.partial(tile_step, steps=steps, q_rope=q_rope, q_head=q_head)
+          acc, _, l_i = softmax_start(HALF)
+          m_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_FLOOR, jnp.float32), row_layout)
+          return lax.fori_loop(0, n, step, (acc, m_i, l_i))
 
-        def step(i, carry):
+        def tile_step(i, carry, *, steps, q_rope, q_head):
+          i = steps + i  # the CTA's tile
           stage = lax.rem(i, NUM_STAGES)
           if compiled:
             parity = lax.rem(i // NUM_STAGES, 2)
@@ -475,19 +535,13 @@ def build_kernel(
           plgpu.barrier_arrive(free_bar.at[stage])
           return carry
 
-        acc, _, l_i = softmax_start(HALF)
-        m_i = plgpu.layout_cast(jnp.full((HEAD_TILE,), M_FLOOR, jnp.float32), row_layout)
-        seesaw_begin(wg, bars)
-        acc, m_i, l_own = lax.fori_loop(0, n_tiles, step, (acc, m_i, l_i))
-        seesaw_end(wg, bars)
-        l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=False)
-        o, lse = softmax_finish(acc, m_i, l_i)
         cols = pl.ds(wg * HALF, HALF)
 
-        def store_result():
+        def store_result(o, lse, l_i, row=None):
           # The row's result, as `combine_splits` of one split gives it: 0
           # where no index is valid (also where "multiply" met NaN there).
           # (A whole row's last tile is in `last_stage`, with cut_rows too.)
+          row = b if row is None else row
           has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
           res = jnp.where(has, o, 0.0).astype(out_dtype)
           if stage_out:
@@ -510,11 +564,11 @@ def build_kernel(
                           whole=store_whole, tail=store_tail)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           else:
-            o_ref[b, heads, cols] = res
+            o_ref[row, heads, cols] = res
             if wg == 0:
-              lse_ref[b, heads] = lse
+              lse_ref[row, heads] = lse
 
-        def store_partial(o_dst, lse_dst):
+        def store_partial(o_dst, lse_dst, o, lse):
           # A last head group of fewer real heads stores their rows alone:
           # the combine reads no others.
           store_head_rows(o_dst.at[heads, cols], o, g, head_groups=head_groups,
@@ -522,7 +576,7 @@ def build_kernel(
           if wg == 0:
             lse_dst[heads] = lse
 
-        def merge_in_cluster(part_o, part_lse):
+        def merge_in_cluster(part_o, part_lse, o, lse):
           # The row's partials, part_o `[cluster_size, heads_padded, 512]`
           # and part_lse `[cluster_size, heads_padded]`: ours at `split`.
           merge_row(
@@ -532,20 +586,49 @@ def build_kernel(
               cluster_bar=None if compiled else cluster_bar,
               stage_ref=merge_stage.at[wg] if stage_merged else None, lse_stage_ref=lse_stage)
 
+        seesaw_begin(wg, bars)
+        if parts:
+          cut_o, cut_lse = more_refs
+
+          def consume(row, steps):
+            lo, n = segment(row, beg, end, tiles=num_tiles)
+            acc, m_i, l_own = tiles(n, steps)
+            plgpu.barrier_arrive(q_free_bar)  # both QKs and PVs of the query are done
+            l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=True)
+            o, lse = softmax_finish(acc, m_i, l_i)
+            whole = (lo == 0) & (n == num_tiles)
+            tail = lo > 0  # piece 1 of the row cut at this part's start
+            # (else piece 0 of the row cut at the next part's start)
+            pl.when(whole)(lambda: store_result(o, lse, l_i, row=row))
+            cut = jnp.where(tail, b - 1, b)
+            for k, when in enumerate((~whole & ~tail, tail)):
+              pl.when(when)(lambda k=k: store_partial(
+                  cut_o.at[jnp.clip(cut, 0, parts - 2), k],
+                  cut_lse.at[jnp.clip(cut, 0, parts - 2), k], o, lse))
+            return steps + n
+
+          lax.fori_loop(row_lo, row_hi, consume, jnp.int32(0))
+          seesaw_end(wg, bars)
+          return
+        acc, m_i, l_own = tiles(n_tiles, 0)
+        seesaw_end(wg, bars)
+        l_i = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=False)
+        o, lse = softmax_finish(acc, m_i, l_i)
         if cut_rows:
           cut_o, cut_lse = more_refs
-          pl.when(whole)(store_result)
+          pl.when(whole)(lambda: store_result(o, lse, l_i))
           if cluster_merge:
-            pl.when(~whole)(lambda: merge_in_cluster(cut_o.at[part], cut_lse.at[part]))
+            pl.when(~whole)(lambda: merge_in_cluster(cut_o.at[part], cut_lse.at[part], o, lse))
           else:
-            pl.when(~whole)(lambda: store_partial(cut_o.at[part, piece], cut_lse.at[part, piece]))
+            pl.when(~whole)(lambda: store_partial(cut_o.at[part, piece], cut_lse.at[part, piece],
+                                                  o, lse))
         elif cluster_merge:
           part_o, part_lse = more_refs
-          merge_in_cluster(part_o.at[b], part_lse.at[b])
+          merge_in_cluster(part_o.at[b], part_lse.at[b], o, lse)
         elif direct:
-          store_result()
+          store_result(o, lse, l_i)
         else:
-          store_partial(o_ref.at[b, split], lse_ref.at[b, split])
+          store_partial(o_ref.at[b, split], lse_ref.at[b, split], o, lse)
 
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consumer(w))
@@ -590,6 +673,7 @@ def build_kernel(
         plgpu.Barrier(num_arrivals=1, num_barriers=IDX_STAGES),
         plgpu.Barrier(num_arrivals=2, num_barriers=NUM_STAGES),
         plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2),
         *seesaw_barriers(),
         *extra,
         collective_axes="wg",
@@ -601,6 +685,8 @@ def build_kernel(
             jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
   if cluster_merge and not cut_rows:
     out_type = (*result, *split_outputs(batch, num_splits, heads_padded))
+  elif parts:
+    out_type = (*result, *split_outputs(parts - 1, 2, heads_padded))
   elif direct:
     out_type = (*result, *(split_outputs(cut_rows, pieces, heads_padded) if cut_rows else ()))
   else:
@@ -608,7 +694,7 @@ def build_kernel(
   # With cluster_merge the splits (or two CTAs: two whole rows, or a cut
   # row's halves) are the cluster's axis, its CTAs side by side.
   rows = (batch + cut_rows) // 2 if cluster_merge and cut_rows else (
-      batch + (pieces - 1) * cut_rows)
+      parts or batch + (pieces - 1) * cut_rows)
   return launch(
       sparse_mla_decode_kernel,
       grid=(rows, *(() if cluster_merge else (num_splits,)), heads_padded // HEAD_TILE),

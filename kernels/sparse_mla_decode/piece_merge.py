@@ -35,6 +35,7 @@ from jaxkv.kernels.mla_decode.layout import (
     stage_store,
 )
 from jaxkv.kernels.mla_decode.seesaw import softmax_finish, softmax_start
+from jaxkv.kernels.sparse_mla_decode.stream import boundary_row
 
 # SMEM for a CTA's partial tiles: `pieces x 64 x cols` float32.
 TILES_SMEM = 128 * 1024
@@ -100,7 +101,8 @@ def weighted_merge(lses, parts, *, cols: int, select: bool):
 def build_piece_merge(
     *, rows: int, pieces: int, heads_padded: int, out_heads: int, out_dtype, select: bool,
     interpret, first_row: int | None = None, cols: int | None = None,
-    per_copy: int | None = None,
+    per_copy: int | None = None, stream: tuple[int, int, int] | None = None,
+    q_heads: int | None = None,
 ):
   """Returns `(o, lse) -> (out, lse_out)`, or with `first_row` `(o, lse, out,
   lse_out) -> (out, lse_out)` updating `out` and `lse_out` in place.
@@ -126,13 +128,21 @@ def build_piece_merge(
     cols: value channels per CTA (default `merge_cols`).
     per_copy: pieces' tiles per TMA copy (default `PIECES_PER_COPY`; one
       where the last head group is short).
+    stream: `(total, parts, tiles)` of sparse decode's stream schedule
+      (`stream.py`), with `first_row=0`: row r of o and lse is the cut at
+      boundary r + 1, merged into the row it cuts (`stream.boundary_row`);
+      a boundary between two rows cuts none, and its partials are not read.
+    q_heads: the real heads where fewer than `out_heads` (a multiple of 8
+      within the last head group): only their partial rows are read and
+      their result rows written (None: `out_heads`).
   """
   head_groups = heads_padded // HEAD_TILE
   assert heads_padded % HEAD_TILE == 0 and 2 <= pieces <= MAX_PIECES
+  assert stream is None or (first_row == 0 and pieces == 2 and rows == stream[1] - 1)
   if cols is None:
     cols = merge_cols(rows=rows, head_groups=head_groups, pieces=pieces)
   assert LATENT % cols == 0 and pieces * HEAD_TILE * cols * 4 <= TILES_SMEM
-  tail_heads = last_group_rows(out_heads, heads_padded)
+  tail_heads = last_group_rows(out_heads if q_heads is None else q_heads, heads_padded)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   # Pieces per copy: a copy of several pieces' tiles needs them contiguous in
   # SMEM, which a short last head group's rows are not.
@@ -142,60 +152,66 @@ def build_piece_merge(
                    o_bar, lse_bar):
     b, g, c = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("c")
     heads, chans = pl.ds(g * HEAD_TILE, HEAD_TILE), pl.ds(c * cols, cols)
-    row = b if first_row is None else first_row + b
 
-    # The pieces' LSE (all 64 rows: 256 bytes a piece), then their tiles.
-    plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
+    def merge_row(row):  # b's pieces into the result's row `row`
+      # The pieces' LSE (all 64 rows: 256 bytes a piece), then their tiles.
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
 
-    def fetch(first_head, n, at_once):  # the tiles' first n rows, `at_once` pieces a copy
-      for j in range(0, pieces, at_once):
-        k = min(at_once, pieces - j)
-        plgpu.copy_gmem_to_smem(o_ref.at[pl.ds(b * pieces + j, k), pl.ds(first_head, n), chans],
-                                o_buf.at[pl.ds(j, k), pl.ds(0, n)], o_bar.at[j])
+      def fetch(first_head, n, at_once):  # the tiles' first n rows, `at_once` pieces a copy
+        for j in range(0, pieces, at_once):
+          k = min(at_once, pieces - j)
+          src = o_ref.at[pl.ds(b * pieces + j, k), pl.ds(first_head, n), chans]
+          plgpu.copy_gmem_to_smem(src, o_buf.at[pl.ds(j, k), pl.ds(0, n)], o_bar.at[j])
 
-    # A last head group of fewer real heads reads their tiles' rows alone: the
-    # decode kernel writes no other rows of its partials. The tiles' other rows
-    # hold whatever SMEM held; each row's merge is its own and no store takes
-    # them.
-    by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
-                  whole=lambda: fetch(g * HEAD_TILE, HEAD_TILE, per),
-                  tail=lambda: fetch(heads_padded - HEAD_TILE, tail_heads, 1))
+      # A last head group of fewer real heads reads their tiles' rows alone:
+      # the decode kernel writes no other rows of its partials. The tiles'
+      # other rows hold whatever SMEM held; each row's merge is its own and no
+      # store takes them.
+      by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
+                    whole=lambda: fetch(g * HEAD_TILE, HEAD_TILE, per),
+                    tail=lambda: fetch(heads_padded - HEAD_TILE, tail_heads, 1))
 
-    def log2_lse(j):
-      # Loaded again where used: every piece's LSE held in registers would
-      # not fit beside the accumulator at 32 pieces.
-      return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
+      def log2_lse(j):
+        # Loaded again where used: every piece's LSE held in registers would
+        # not fit beside the accumulator at 32 pieces.
+        return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
 
-    plgpu.barrier_wait(lse_bar)
+      plgpu.barrier_wait(lse_bar)
 
-    def tile(j):  # piece j's tile, once it has landed
-      if j % per == 0:
-        plgpu.barrier_wait(o_bar.at[j])
-      return plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
+      def tile(j):  # piece j's tile, once it has landed
+        if j % per == 0:
+          plgpu.barrier_wait(o_bar.at[j])
+        return plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
 
-    res, lse = weighted_merge(
-        [lambda j=j: log2_lse(j) for j in range(pieces)],
-        [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select)
-    res = res.astype(out_dtype)
+      res, lse = weighted_merge(
+          [lambda j=j: log2_lse(j) for j in range(pieces)],
+          [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select)
+      res = res.astype(out_dtype)
 
-    def store_whole():
-      stage_store(out_buf, res, out_ref.at[row, heads, chans])
+      def store_whole():
+        stage_store(out_buf, res, out_ref.at[row, heads, chans])
 
-      @pl.when(c == 0)
-      def _():
-        lse_out_ref[row, heads] = lse
+        @pl.when(c == 0)
+        def _():
+          lse_out_ref[row, heads] = lse
 
-    def store_tail():  # the last head group's real rows alone
-      rows_out, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
-      stage_store(out_buf, res, out_ref.at[row, rows_out, chans], src=out_buf.at[real])
+      def store_tail():  # the last head group's real rows alone
+        rows_out, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
+        stage_store(out_buf, res, out_ref.at[row, rows_out, chans], src=out_buf.at[real])
 
-      @pl.when(c == 0)
-      def _():
-        stage_store(lse_stage, lse, lse_out_ref.at[row, rows_out], src=lse_stage.at[real])
+        @pl.when(c == 0)
+        def _():
+          stage_store(lse_stage, lse, lse_out_ref.at[row, rows_out], src=lse_stage.at[real])
 
-    by_head_group(g, head_groups=head_groups, tail_heads=tail_heads, whole=store_whole,
-                  tail=store_tail)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      by_head_group(g, head_groups=head_groups, tail_heads=tail_heads, whole=store_whole,
+                    tail=store_tail)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    if stream is None:
+      merge_row(b if first_row is None else first_row + b)
+    else:  # only where the boundary cuts a row
+      row, cut = boundary_row(b + 1, total=stream[0], parts=stream[1], tiles=stream[2])
+      pl.when(cut)(lambda: merge_row(row))
 
   outputs = (jax.ShapeDtypeStruct((rows, out_heads, LATENT), out_dtype),
              jax.ShapeDtypeStruct((rows, out_heads), jnp.float32))

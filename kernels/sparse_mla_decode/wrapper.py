@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Shaped
 
@@ -24,6 +25,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
+from jaxkv.kernels.sparse_mla_decode.stream import boundary_row
 
 TOPK_MULTIPLE = 64
 MAX_TOPK = 2048
@@ -93,6 +95,9 @@ def sparse_mla_decode(
           f" least {cut.pieces} x {_kernel.TILE} indices ({cut.pieces} pieces of a tile or"
           f" more; {config.pieces=})"
       )
+    if cut.parts > batch:
+      raise ValueError(
+          f"{config.parts=} must be at most batch = {batch} (each part at least a row long)")
     cluster_merge = merges_in_cluster(config, batch=batch, num_heads=heads, cut=cut)
     interpret = resolve_interpret(interpret)
     if interpret is not None:
@@ -117,6 +122,7 @@ def sparse_mla_decode(
         pieces=cut.pieces,
         cluster_merge=cluster_merge,
         xla_combine=config.combine == "xla",
+        parts=cut.parts,
     )
 
 
@@ -159,11 +165,12 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
-                     "pad_heads", "cut_rows", "pieces", "cluster_merge", "xla_combine"),
+                     "pad_heads", "cut_rows", "pieces", "cluster_merge", "xla_combine",
+                     "parts"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
-    pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False,
+    pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
@@ -190,10 +197,23 @@ def _sparse_mla_decode(
       cut_rows=cut_rows,
       pieces=pieces,
       cluster_merge=cluster_merge,
+      parts=parts,
   )
   o, lse, *more = call(qp, rows, indices)
   if cluster_merge:  # the clusters merged the splits or halves: [b, heads or hp, 512], [b, ...]
     return real_heads(o, lse, heads)
+  if parts:
+    # The rows cut between parts: two pieces each ([parts - 1, 2, hp, 512],
+    # [parts - 1, 2, hp] f32), merged into the rows the kernel left unwritten.
+    if xla_combine:
+      return _combine_stream_in_xla(o, lse, more, heads=heads, parts=parts,
+                                    tiles=indices.shape[1] // _kernel.TILE, select=select)
+    stream = (batch * (indices.shape[1] // _kernel.TILE), parts, indices.shape[1] // _kernel.TILE)
+    merge = build_piece_merge(
+        rows=parts - 1, pieces=2, heads_padded=heads_padded, out_heads=o.shape[1],
+        out_dtype=o.dtype, select=select, interpret=interpret, first_row=0, stream=stream,
+        q_heads=q_heads)
+    return real_heads(*merge(*more, o, lse), heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
     if not cut_rows:
       return real_heads(o, lse, heads)
@@ -215,6 +235,21 @@ def _sparse_mla_decode(
                             out_heads=q_heads, out_dtype=q.dtype, select=select,
                             interpret=interpret)
   return real_heads(*merge(o, lse), heads)
+
+
+def _combine_stream_in_xla(o, lse, more, *, heads, parts, tiles, select):
+  """The stream's cut rows merged by `combine_splits` and scattered into the
+  kernel's result (`combine="xla"`); boundaries between rows are dropped."""
+  batch = o.shape[0]
+  rows, cut = zip(*(boundary_row(p, total=batch * tiles, parts=parts, tiles=tiles)
+                    for p in range(1, parts)))
+  keep = np.flatnonzero(cut)
+  out, lse = real_heads(o, lse, heads)
+  cut_o, cut_lse = combine_splits(more[0][keep, :, :heads], more[1][keep, :, :heads],
+                                  empty_nan=not select)
+  at = np.asarray(rows)[keep]
+  out, lse = lax.optimization_barrier((out, lse))  # as in `_combine_in_xla`
+  return out.at[at].set(cut_o.astype(out.dtype)), lse.at[at].set(cut_lse)
 
 
 def _combine_in_xla(o, lse, more, *, heads, cut_rows, select):
