@@ -9,7 +9,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
       [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
-      [--combine kernel xla]
+      [--combine kernel xla] [--parts auto|off|N ...]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -30,7 +30,12 @@ with each, at 8 splits and with 10 of 16 rows cut in halves. (`--pad-heads`
 variants cut no rows.) `--combine` times each variant whose partials no cluster
 merges with `SparseMLADecodeConfig.combine` set to each value (the merge
 kernel or XLA's combine), compares the two results likewise, and runs the NaN
-check with each.
+check with each. `--parts` times each one-split variant with
+`SparseMLADecodeConfig.parts` set to each value: "auto" (the plan's choice),
+"off" (0: no stream schedule) or N parts per head group ("sms": the
+device's SMs over the head groups); a stream's result is compared with the
+first variant's (within a bf16 rounding, NaN in the same places), and the NaN
+and outside-the-cache checks also run with the rows streamed in 6 parts.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
     merges_in_cluster,
     rows_to_cut,
 )
+from jaxkv.kernels._common import num_sms
 from jaxkv.kernels.sparse_mla_decode.wrapper import _sparse_mla_decode
 
 NUM_BLOCKS, BLOCK_SIZE, TOPK = 8192, 64, 2048  # a 604 MB cache, far past L2
@@ -127,6 +133,17 @@ def _pallas_config(splits, batch, heads, topk=TOPK, cut_rows=None, pieces=None):
   return config
 
 
+def _parts(value: str, heads: int) -> int | None:
+  """`--parts`' value: None (the plan's), 0 (off) or a count of parts."""
+  if value == "auto":
+    return None
+  if value == "off":
+    return 0
+  if value == "sms":
+    return num_sms() // -(-heads // 64)
+  return int(value)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
@@ -151,6 +168,9 @@ def main(argv=None) -> int:
   parser.add_argument("--cluster-merge", type=int, nargs="+", default=None, choices=[0, 1],
                       help="time each variant with the splits merged by the kernel's clusters"
                       " (1) and by the combine kernel (0) (default: the config's)")
+  parser.add_argument("--parts", nargs="+", default=["auto"],
+                      help="time each one-split variant with the stream schedule's parts per"
+                      " head group set to each: auto (the plan's), off, sms, or N")
   parser.add_argument("--combine", nargs="+", default=None, choices=["kernel", "xla"],
                       help="time each variant with split or piece partials merged by the"
                       " merge kernel and by XLA (default: the config's)")
@@ -163,12 +183,12 @@ def main(argv=None) -> int:
   if args.shapes:
     shapes = []
     for spec in args.shapes:
-      parts = spec.split(":")
-      if not 2 <= len(parts) <= 4:
+      fields = spec.split(":")
+      if not 2 <= len(fields) <= 4:
         parser.error(f"--shapes {spec!r}: expected B:H[:TOPK[:INVALID]]")
-      shapes.append((int(parts[0]), int(parts[1]),
-                     int(parts[2]) if len(parts) > 2 else TOPK,
-                     float(parts[3]) if len(parts) > 3 else 0.0))
+      shapes.append((int(fields[0]), int(fields[1]),
+                     int(fields[2]) if len(fields) > 2 else TOPK,
+                     float(fields[3]) if len(fields) > 3 else 0.0))
   if args.quick:
     shapes = shapes[:1]
   rows = []
@@ -198,11 +218,18 @@ def main(argv=None) -> int:
     in_clusters = merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)
     if args.combine and (cfg.num_splits > 1 or cut.rows) and not in_clusters:
       combines = args.combine
-    variants = [(mode, qr, so, ph, cm, cb) for so in stage_out for qr in q_regs
-                for mode in args.modes for ph in pads for cm in merges for cb in combines]
+    parts = [None]
+    if cfg.num_splits == 1 and cfg.cut_rows is None and cfg.cluster_merge is None:
+      parts = [_parts(v, heads) for v in args.parts]
+    variants = [(mode, qr, so, ph, cm, cb, pt) for so in stage_out for qr in q_regs
+                for mode in args.modes for ph in pads for cm in merges for cb in combines
+                for pt in parts]
     outs = {}
-    for mode, qr, so, ph, cm, cb in variants:
-      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm, combine=cb)
+    for mode, qr, so, ph, cm, cb, pt in variants:
+      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm, combine=cb,
+                                 parts=pt)
+      if pt and pt > batch:
+        continue
       if ph:
         fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: _sparse_mla_decode(
             q, c, i, sm_scale=SCALE, select=mode == "select", num_splits=vcfg.num_splits,
@@ -215,24 +242,34 @@ def main(argv=None) -> int:
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
-      outs[mode, qr, so, ph, cm, cb] = (np.asarray(out, np.float32), np.asarray(lse))
-      if cm is not None and (mode, qr, so, ph, not cm, cb) in outs:
+      if pt != parts[0]:
+        close = _same_result((np.asarray(out, np.float32), np.asarray(lse)),
+                             outs[mode, qr, so, ph, cm, cb])
+        print(f"b{batch} h{heads} {mode} parts {pt} and {parts[0]}: results agree: {close}",
+              flush=True)
+        good &= close
+        cut_pt = rows_to_cut(vcfg, batch=batch, num_heads=heads, topk=topk)
+        print(f"b{batch} h{heads} parts {pt}: {cut_pt}", flush=True)
+      else:
+        outs[mode, qr, so, ph, cm, cb] = (np.asarray(out, np.float32), np.asarray(lse))
+      first = pt == parts[0]  # (the comparisons below are of the first parts' results)
+      if first and cm is not None and (mode, qr, so, ph, not cm, cb) in outs:
         close = _same_result(outs[mode, qr, so, ph, cm, cb], outs[mode, qr, so, ph, not cm, cb])
         print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
               f" agree: {close}", flush=True)
         good &= close
-      if cb == "xla" and (mode, qr, so, ph, cm, "kernel") in outs:
+      if first and cb == "xla" and (mode, qr, so, ph, cm, "kernel") in outs:
         close = _same_result(outs[mode, qr, so, ph, cm, cb], outs[mode, qr, so, ph, cm, "kernel"])
         print(f"b{batch} h{heads} {mode} q_regs {qr}: merge kernel and XLA combine"
               f" agree: {close}", flush=True)
         good &= close
-      if so and not ph and (mode, qr, False, False, cm, cb) in outs:
+      if first and so and not ph and (mode, qr, False, False, cm, cb) in outs:
         same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm, cb],
                                                    outs[mode, qr, False, ph, cm, cb]))
         print(f"b{batch} h{heads} {mode} q_regs {qr} cluster merge {cm}: staged result"
               f" bit-equal to direct stores: {same}", flush=True)
         good &= same
-      if ph:
+      if first and ph:
         same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm, cb],
                                                    outs[mode, qr, so, False, cm, cb]))
         print(f"b{batch} h{heads} {mode} q_regs {qr} stage_out {so}: padded query's result"
@@ -243,13 +280,14 @@ def main(argv=None) -> int:
       rows.append((batch, heads, topk, invalid,
                    f"{mode}/qr{qr}{'/so' if so else ''}{'/pad' if ph else ''}"
                    f"{'' if cm is None else '/cm' if cm else '/xc'}"
-                   f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}", t * 1e6,
+                   f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}"
+                   f"{'' if len(parts) == 1 else f'/p{pt}'}", t * 1e6,
                    t_kernel * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
     print(f"b{batch} h{heads} topk{topk} inv{invalid}: {cfg.num_splits} splits,"
-          f" {cut.rows} rows cut into {cut.pieces} pieces, merge in clusters"
+          f" {cut.rows} rows cut into {cut.pieces} pieces, {cut.parts} parts, merge in clusters"
           f" {merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)}, ceiling"
           f" {kv_bytes / t_ceil / 1e12:.2f} TB/s, XLA reference {t_ref * 1e6:.0f} us", flush=True)
 
@@ -261,11 +299,17 @@ def main(argv=None) -> int:
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
   base = _pallas_config(args.splits, 16, 64, cut_rows=cut_rows, pieces=args.pieces)
-  checks = [(qr, bool(so), None, False, cb) for qr in args.q_regs or [base.q_regs]
+  checks = [(qr, bool(so), None, False, cb, None) for qr in args.q_regs or [base.q_regs]
             for so in args.stage_out or [base.stage_out] for cb in args.combine or [base.combine]]
-  checks += [(base.q_regs, so, bool(cm), halves, base.combine) for cm in args.cluster_merge or []
+  checks += [(base.q_regs, so, bool(cm), halves, base.combine, None)
+             for cm in args.cluster_merge or []
              for so, halves in ((False, False), (True, False), (True, True))]
-  for qr, so, cm, halves, cb in checks:
+  # With a stream asked for, the 16 rows also in 6 parts (rows 2 and 5, with
+  # -1s, among those cut: at tiles 85 and 170 of 32-tile rows), by each merge.
+  streams = [6] if any(v not in ("auto", "off") for v in args.parts) else []
+  checks += [(base.q_regs, base.stage_out, None, False, cb, 6) for cb in
+             (args.combine or [base.combine]) for _ in streams]
+  for qr, so, cm, halves, cb, pt in checks:
     # (A staged result needs one split: the check then runs with one; a merge
     # by clusters or not, with 8 splits (staged or not), or with 10 of the 16
     # rows cut in halves, rows 6-7 (with -1s in their first halves) among them.)
@@ -276,6 +320,8 @@ def main(argv=None) -> int:
                               pieces=2 if halves else base.pieces)
     if cut_rows and cfg.num_splits == 1 and not halves:  # rows 6-7 (with -1s) among those cut at 10
       cfg = dataclasses.replace(cfg, cut_rows=min(cut_rows, 16), pieces=args.pieces)
+    if pt:
+      cfg = dataclasses.replace(cfg, num_splits=1, cut_rows=None, pieces=None, parts=pt)
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
     clean, _ = f(cache, "select")
     sel, _ = f(poisoned, "select")
@@ -286,7 +332,8 @@ def main(argv=None) -> int:
     ok &= nan_ok
     print(f"NaN poisoning (q_regs {qr}, stage_out {so}, cut_rows {cfg.cut_rows},"
           f" pieces {cfg.pieces}, combine {cfg.combine},"
-          f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}): select"
+          f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}, parts {cfg.parts}):"
+          f" select"
           f" bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")
 
@@ -301,13 +348,15 @@ def main(argv=None) -> int:
   # (With `--cut-rows N`, one split, so that the rows are cut.)
   cfg = _pallas_config(args.splits or (1 if cut_rows else 0), 16, 64, cut_rows=cut_rows,
                        pieces=args.pieces)
-  for mode in args.modes:
-    f = lambda i, mode=mode: sparse_mla_decode(q, poisoned, i, sm_scale=SCALE, mask_mode=mode,
-                                               config=cfg)
-    same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(f(odd), f(idx)))
-    ok &= same
-    print(f"ids outside the cache ({mode}, {cfg.num_splits} splits, cut_rows {cfg.cut_rows},"
-          f" pieces {cfg.pieces}): bit-equal to -1: {same}")
+  cfgs = [cfg] + [SparseMLADecodeConfig(parts=pt) for pt in streams]
+  for cfg in cfgs:
+    for mode in args.modes:
+      f = lambda i, mode=mode, cfg=cfg: sparse_mla_decode(q, poisoned, i, sm_scale=SCALE,
+                                                          mask_mode=mode, config=cfg)
+      same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(f(odd), f(idx)))
+      ok &= same
+      print(f"ids outside the cache ({mode}, {cfg.num_splits} splits, cut_rows {cfg.cut_rows},"
+            f" pieces {cfg.pieces}, parts {cfg.parts}): bit-equal to -1: {same}")
 
   print("\nbatch heads  topk invalid mode/q_regs           us  kernel    TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")
