@@ -262,8 +262,8 @@ def wave_plan(
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
   beats the whole rows' waves by `PLAN_MARGIN`. With `stream` (and neither
   `pieces` nor `pairs_only`), the stream schedule of `num_sms / groups` CTAs
-  per head group (`stream_cost`) where it beats those, at any batch past one
-  wave. No cut with several splits, within one wave, past two (but the
+  per head group (`stream_cost`) where it beats that choice by `PLAN_MARGIN`
+  too, at any batch past one wave. No cut with several splits, within one wave, past two (but the
   stream), and for a one-tile list.
   """
   tiles = topk // TILE
@@ -277,11 +277,6 @@ def wave_plan(
     choices = []
   best, best_cost = none, plan_cost(batch=batch, num_heads=num_heads, tiles=tiles, cut=none,
                                     num_sms=num_sms) * (1 - PLAN_MARGIN)
-  parts = num_sms // groups
-  if stream and not pieces and not pairs_only and parts >= 2:
-    cost = stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=parts)
-    if cost < best_cost - 1e-6:
-      best, best_cost = RowCut(0, 2, parts), cost
   for n in choices:
     for rows in range(max(1, batch - num_sms // groups), batch + 1):
       cut = RowCut(rows, n)
@@ -291,6 +286,13 @@ def wave_plan(
                        num_sms=num_sms)
       if cost < best_cost - 1e-6:
         best, best_cost = cut, cost
+  parts = num_sms // groups
+  if stream and not pieces and not pairs_only and parts >= 2:
+    # It too must beat the plan chosen so far by `PLAN_MARGIN` in the model.
+    if best.rows:
+      best_cost *= 1 - PLAN_MARGIN
+    if stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=parts) < best_cost:
+      best = RowCut(0, 2, parts)
   return best
 
 
