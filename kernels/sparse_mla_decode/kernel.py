@@ -104,7 +104,6 @@ from jaxkv.kernels.mla_decode.seesaw import (
 )
 from jaxkv.kernels.sparse_mla_decode.cluster import cluster_sync, merge_row
 from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE, cluster_ctas
-from jaxkv.kernels.sparse_mla_decode.stream import part_bounds, part_rows, segment
 from jaxkv.kernels.sparse_mla_decode.gather import (
     FIRST_INVALID_SCRATCH,
     init_barriers,
@@ -115,6 +114,7 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
     warpgroup_barrier,
     zero_fill,
 )
+from jaxkv.kernels.sparse_mla_decode.stream import part_bounds, part_rows, segment
 
 HEAD_DIM = LATENT + ROPE
 # Slots per pipeline step (the config's divisibility unit): each consumer
