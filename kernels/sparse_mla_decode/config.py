@@ -186,10 +186,12 @@ PLAN_MARGIN = 0.05
 # per tile of the longest part and a fixed part (the first gather, 2-3 row
 # segments each with its query and its store), by head groups: one group of
 # 64 heads is bound by the gather's bandwidth when every SM streams, two
-# share each row through L2. The merge of the cut rows (~131 rows in two
-# pieces) took 8.8-10 µs.
+# share each row through L2. The fixed parts were fitted with whole rows'
+# results stored from registers (12.8 and 21.8 µs) and lowered by what
+# staging them saved (4.7-5.7 µs at 128 heads, 1.9 at 64). The merge of the
+# cut rows (~131 rows in two pieces) took 8.8-10 µs.
 STREAM_TILE_US = {1: 2.53, 2: 2.27}
-STREAM_FIXED_US = {1: 21.8, 2: 12.8}
+STREAM_FIXED_US = {1: 19.9, 2: 8.3}
 STREAM_MERGE_US = 9.0
 
 
