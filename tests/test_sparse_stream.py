@@ -6,8 +6,20 @@ from jaxkv.kernels.sparse_mla_decode.stream import (
     boundary_row,
     cut_boundaries,
     part_bounds,
-    stream_segments,
+    part_rows,
+    segment,
 )
+
+
+def stream_segments(*, batch, tiles, parts):
+  """Each part's segments as (row, first tile, count), as the kernels walk them."""
+  total = batch * tiles
+  out = []
+  for p in range(parts):
+    beg, end = part_bounds(p, total=total, parts=parts)
+    first, last = part_rows(beg, end, tiles=tiles)
+    out.append([(row, *segment(row, beg, end, tiles=tiles)) for row in range(first, last)])
+  return out
 
 
 def test_segments_cover_every_tile_once_and_cut_a_row_at_most_once():

@@ -222,10 +222,10 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
   """`wave_plan`'s modelled time of a one-split call (µs): its CTAs' span,
   plus the combine of the cut rows unless they are halves that pair up
   (merged in the kernel's clusters)."""
-  groups = -(-num_heads // 64)
-  cta = tiles * TILE_US + CTA_US
   if cut.parts:
     return stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=cut.parts)
+  groups = -(-num_heads // 64)
+  cta = tiles * TILE_US + CTA_US
   if not cut.rows:
     return -(-batch * groups // num_sms) * cta
   whole = (batch - cut.rows) * groups

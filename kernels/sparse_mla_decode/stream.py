@@ -52,21 +52,6 @@ def boundary_row(boundary, *, total: int, parts: int, tiles: int):
   return beg // tiles, beg % tiles != 0
 
 
-def stream_segments(*, batch: int, tiles: int, parts: int) -> list[list[tuple[int, int, int]]]:
-  """Each part's segments as (row, first tile, count), in Python ints."""
-  total = batch * tiles
-  out = []
-  for p in range(parts):
-    beg, end = part_bounds(p, total=total, parts=parts)
-    first, last = part_rows(beg, end, tiles=tiles)
-    segs = []
-    for row in range(first, last):
-      lo, n = segment(row, beg, end, tiles=tiles)
-      segs.append((row, lo, n))
-    out.append(segs)
-  return out
-
-
 def cut_boundaries(*, batch: int, tiles: int, parts: int) -> int:
   """How many rows the stream cuts (each into two pieces)."""
   total = batch * tiles

@@ -205,10 +205,15 @@ def _sparse_mla_decode(
   if parts:
     # The rows cut between parts: two pieces each ([parts - 1, 2, hp, 512],
     # [parts - 1, 2, hp] f32), merged into the rows the kernel left unwritten.
+    tiles = indices.shape[1] // _kernel.TILE
+    stream = (batch * tiles, parts, tiles)
     if xla_combine:
-      return _combine_stream_in_xla(o, lse, more, heads=heads, parts=parts,
-                                    tiles=indices.shape[1] // _kernel.TILE, select=select)
-    stream = (batch * (indices.shape[1] // _kernel.TILE), parts, indices.shape[1] // _kernel.TILE)
+      # Boundaries between rows cut none: their pieces are dropped.
+      rows_cut, cuts = zip(*(boundary_row(p, total=stream[0], parts=parts, tiles=tiles)
+                             for p in range(1, parts)))
+      keep = np.flatnonzero(cuts)
+      return _combine_in_xla(o, lse, more, heads=heads, select=select, keep=keep,
+                             at=np.asarray(rows_cut)[keep])
     merge = build_piece_merge(
         rows=parts - 1, pieces=2, heads_padded=heads_padded, out_heads=o.shape[1],
         out_dtype=o.dtype, select=select, interpret=interpret, first_row=0, stream=stream,
@@ -220,7 +225,8 @@ def _sparse_mla_decode(
     # The last rows' pieces ([cut_rows, pieces, hp, 512], [cut_rows, pieces,
     # hp] f32), merged into the rows the kernel left unwritten.
     if xla_combine:
-      return _combine_in_xla(o, lse, more, heads=heads, cut_rows=cut_rows, select=select)
+      return _combine_in_xla(o, lse, more, heads=heads, select=select,
+                             at=slice(batch - cut_rows, None))
     merge = build_piece_merge(
         rows=cut_rows, pieces=pieces, heads_padded=heads_padded, out_heads=o.shape[1],
         out_dtype=o.dtype, select=select, interpret=interpret, first_row=batch - cut_rows)
@@ -237,31 +243,17 @@ def _sparse_mla_decode(
   return real_heads(*merge(o, lse), heads)
 
 
-def _combine_stream_in_xla(o, lse, more, *, heads, parts, tiles, select):
-  """The stream's cut rows merged by `combine_splits` and scattered into the
-  kernel's result (`combine="xla"`); boundaries between rows are dropped."""
-  batch = o.shape[0]
-  rows, cut = zip(*(boundary_row(p, total=batch * tiles, parts=parts, tiles=tiles)
-                    for p in range(1, parts)))
-  keep = np.flatnonzero(cut)
+def _combine_in_xla(o, lse, more, *, heads, select, at, keep=slice(None)):
+  """The cut rows' pieces (`more`: `[cuts, pieces, hp, 512]` and `[cuts,
+  pieces, hp]`; those at `keep`) merged by `combine_splits` and updated into
+  the kernel's result at rows `at` (a slice: the last rows; an index array:
+  the stream's cut rows) (`SparseMLADecodeConfig.combine="xla"`)."""
   out, lse = real_heads(o, lse, heads)
   cut_o, cut_lse = combine_splits(more[0][keep, :, :heads], more[1][keep, :, :heads],
                                   empty_nan=not select)
-  at = np.asarray(rows)[keep]
-  out, lse = lax.optimization_barrier((out, lse))  # as in `_combine_in_xla`
-  return out.at[at].set(cut_o.astype(out.dtype)), lse.at[at].set(cut_lse)
-
-
-def _combine_in_xla(o, lse, more, *, heads, cut_rows, select):
-  """The cut rows' pieces merged by `combine_splits` and updated into the
-  kernel's result (`SparseMLADecodeConfig.combine="xla"`)."""
-  out, lse = real_heads(o, lse, heads)
-  cut_o, cut_lse = combine_splits(more[0][:, :, :heads], more[1][:, :, :heads],
-                                  empty_nan=not select)
-  whole = out.shape[0] - cut_rows
   # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
   # from taking the kernel's call into the update of its own output, where
   # it finds a cycle and fails (jax 0.11.2). Slices and a concatenation in
   # place of the update were correct but 1-11 µs slower on the H200.
   out, lse = lax.optimization_barrier((out, lse))
-  return out.at[whole:].set(cut_o.astype(out.dtype)), lse.at[whole:].set(cut_lse)
+  return out.at[at].set(cut_o.astype(out.dtype)), lse.at[at].set(cut_lse)
