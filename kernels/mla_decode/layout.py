@@ -134,6 +134,52 @@ def stage_store(buf, value, dst, *, src=None):
   plgpu.copy_smem_to_gmem(buf if src is None else src, dst)
 
 
+def stage_head_group(buf, value, out_at, g, *, heads, head_groups: int, tail_heads: int,
+                     lse=None, lse_at=None, lse_buf=None, lse_when=False) -> None:
+  """Stores head group `g`'s result through SMEM by TMA (`stage_store`), and
+  where `lse_when` its LSE, then waits until the copies have read their
+  buffers (the caller may then reuse or release them).
+
+  Args:
+    buf: SMEM `[64, n]`: the staging buffer of `value` (`[64, n]`, WGMMA
+      layout, one warpgroup's channels of the group's rows).
+    out_at: `rows -> GMEM ref` `[len(rows), n]`: where the group's rows go.
+    g, heads: the head group's index and its 64 rows (`pl.ds(64 g, 64)`).
+    head_groups, tail_heads: as in `by_head_group`. A last group of
+      `tail_heads` < 64 real rows stores those alone, its LSE too (staged in
+      `lse_buf`, `[64]` f32 SMEM); whole groups store the LSE from registers
+      (whole 32-bit rows: no staging needed).
+    lse: `[64]` float32 (WGMMA rows); lse_at: `rows -> GMEM ref` of it.
+    lse_when: False (no LSE), True, or a function giving a traced bool, called
+      where the LSE is stored: which thread stores it.
+  """
+  tail_rows = pl.ds((head_groups - 1) * HEAD_TILE, tail_heads)
+  real = pl.ds(0, tail_heads)
+
+  def store_lse(staged: bool):
+    def store():
+      if staged:
+        stage_store(lse_buf, lse, lse_at(tail_rows), src=lse_buf.at[real])
+      else:
+        lse_at(heads)[...] = lse
+
+    if lse_when is True:
+      store()
+    elif lse_when is not False:
+      pl.when(lse_when())(store)
+
+  def whole():
+    stage_store(buf, value, out_at(heads))
+    store_lse(staged=False)
+
+  def tail():  # the last head group's real rows alone
+    stage_store(buf, value, out_at(tail_rows), src=buf.at[real])
+    store_lse(staged=True)
+
+  by_head_group(g, head_groups=head_groups, tail_heads=tail_heads, whole=whole, tail=tail)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 # Rows of a `[64, n]` WGMMA-layout array that one warp of its warpgroup holds.
 WARP_ROWS = 16
 

@@ -24,8 +24,7 @@ from jaxkv.kernels.mla_decode.layout import (
     HALF,
     HEAD_TILE,
     LOG2E,
-    by_head_group,
-    stage_store,
+    stage_head_group,
     store_head_rows,
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import weighted_merge
@@ -75,7 +74,6 @@ def merge_row(
       alone (`lse_stage_ref`, `[64]` f32 SMEM, stages their LSE).
   """
   heads = pl.ds(g * HEAD_TILE, HEAD_TILE)
-  heads_padded = head_groups * HEAD_TILE
   compiled = cluster_bar is None
   merge_cols = HALF // cluster_size  # value channels each consumer merges
   row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -116,36 +114,20 @@ def merge_row(
                                 select=select)
   res = res.astype(out_dtype)
 
-  def store_lse(rows=heads, staged=False):
-    # The row's LSE, once per cluster (CTA 0's first consumer).
-    def store():
-      if staged:  # the last head group's real rows alone
-        real = pl.ds(0, tail_heads)
-        stage_store(lse_stage_ref, lse_row, out_lse_ref.at[rows], src=lse_stage_ref.at[real])
-      else:
-        out_lse_ref[rows] = lse_row
-
-    if wg == 0:
-      pl.when(split == 0)(store)
-
   if stage_ref is None:
     store_head_rows(out_ref.at[heads, chans], res, g, head_groups=head_groups,
                     tail_heads=tail_heads, compiled=compiled)
-    store_lse()
+    if wg == 0:
+
+      @pl.when(split == 0)
+      def _():  # the row's LSE, once per cluster (CTA 0's first consumer)
+        out_lse_ref[heads] = lse_row
+
     return
   # Through SMEM by TMA, as a whole row's staged result: whole rows (bf16 from
   # registers would fill half of each sector a warp store touches), and the
   # last head group's real rows alone.
-
-  def store_whole():
-    stage_store(stage_ref, res, out_ref.at[heads, chans])
-    store_lse()
-
-  def store_tail():
-    rows, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
-    stage_store(stage_ref, res, out_ref.at[rows, chans], src=stage_ref.at[real])
-    store_lse(rows, staged=True)
-
-  by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
-                whole=store_whole, tail=store_tail)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  stage_head_group(stage_ref, res, lambda rows: out_ref.at[rows, chans], g, heads=heads,
+                   head_groups=head_groups, tail_heads=tail_heads, lse=lse_row,
+                   lse_at=lambda rows: out_lse_ref.at[rows], lse_buf=lse_stage_ref,
+                   lse_when=(lambda: split == 0) if wg == 0 else False)

@@ -76,16 +76,14 @@ from jaxkv.kernels.mla_decode.layout import (
     LATENT,
     LOG2E,
     NUM_STAGES,
-    NUM_THREADS,
     ROPE,
     SLOT_HALF,
     bf16_tile,
-    by_head_group,
     last_group_rows,
     launch,
     load_query,
     split_outputs,
-    stage_store,
+    stage_head_group,
     store_head_rows,
     zero_query_rows,
 )
@@ -560,22 +558,11 @@ def build_kernel(
           if stage_out:
             # Our value half of the last stage: the other consumer's QK of
             # that tile (the only other reader) was done before its P came.
-            buf = k_lat.at[stage, wg]
-
-            def store_whole():
-              stage_store(buf, res, o_ref.at[row, heads, cols])
-              if wg == 0:
-                lse_ref[row, heads] = lse
-
-            def store_tail():  # the last head group's real rows alone
-              rows, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
-              stage_store(buf, res, o_ref.at[row, rows, cols], src=buf.at[real])
-              if wg == 0:
-                stage_store(lse_stage, lse, lse_ref.at[row, rows], src=lse_stage.at[real])
-
-            by_head_group(g, head_groups=head_groups, tail_heads=tail_heads,
-                          whole=store_whole, tail=store_tail)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            stage_head_group(
+                k_lat.at[stage, wg], res, lambda rows: o_ref.at[row, rows, cols], g,
+                heads=heads, head_groups=head_groups, tail_heads=tail_heads, lse=lse,
+                lse_at=lambda rows: lse_ref.at[row, rows], lse_buf=lse_stage,
+                lse_when=wg == 0)
           else:
             o_ref[row, heads, cols] = res
             if wg == 0:

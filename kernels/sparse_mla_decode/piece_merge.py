@@ -32,7 +32,7 @@ from jaxkv.kernels.mla_decode.layout import (
     LOG2E,
     by_head_group,
     last_group_rows,
-    stage_store,
+    stage_head_group,
 )
 from jaxkv.kernels.mla_decode.seesaw import softmax_finish, softmax_start
 from jaxkv.kernels.sparse_mla_decode.stream import boundary_row
@@ -188,24 +188,10 @@ def build_piece_merge(
           [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select)
       res = res.astype(out_dtype)
 
-      def store_whole():
-        stage_store(out_buf, res, out_ref.at[row, heads, chans])
-
-        @pl.when(c == 0)
-        def _():
-          lse_out_ref[row, heads] = lse
-
-      def store_tail():  # the last head group's real rows alone
-        rows_out, real = pl.ds(heads_padded - HEAD_TILE, tail_heads), pl.ds(0, tail_heads)
-        stage_store(out_buf, res, out_ref.at[row, rows_out, chans], src=out_buf.at[real])
-
-        @pl.when(c == 0)
-        def _():
-          stage_store(lse_stage, lse, lse_out_ref.at[row, rows_out], src=lse_stage.at[real])
-
-      by_head_group(g, head_groups=head_groups, tail_heads=tail_heads, whole=store_whole,
-                    tail=store_tail)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      stage_head_group(out_buf, res, lambda rows: out_ref.at[row, rows, chans], g,
+                       heads=heads, head_groups=head_groups, tail_heads=tail_heads, lse=lse,
+                       lse_at=lambda rows: lse_out_ref.at[row, rows], lse_buf=lse_stage,
+                       lse_when=lambda: c == 0)
 
     if stream is None:
       merge_row(b if first_row is None else first_row + b)
