@@ -12,7 +12,7 @@ byte and the producer never waits for a tile (both stages can be filling).
 
 Pallas exposes no per-thread gathered copy, so this is written in Mosaic GPU's
 own IR (`plgpu.inline_mgpu`) and runs compiled only; the interpreter's
-producer copies rows with one-row TMA copies instead (see `kernel.py`).
+producer copies rows with one-row TMA copies instead (`producer.py`).
 
 Layout (bf16, 32-column tiles, 64-byte swizzle, as `mla_decode.kernel`
 allocates its operands): element (row, col) of a `[rows, cols]` buffer lives in

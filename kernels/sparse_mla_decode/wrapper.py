@@ -14,9 +14,10 @@ from jaxtyping import Array, Float, Shaped
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
 from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
-from jaxkv.kernels.mla_decode.layout import query_rows, real_heads
+from jaxkv.kernels.mla_decode.layout import HEAD_TILE, NUM_THREADS, query_rows, real_heads
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import (
+    TILE,
     SparseMLADecodeConfig,
     cluster_ctas,
     default_config,
@@ -83,16 +84,16 @@ def sparse_mla_decode(
     topk = indices.shape[1]
     if config is None:
       config = default_config(batch=batch, num_heads=heads, topk=topk)
-    if topk % (_kernel.TILE * config.num_splits):
+    if topk % (TILE * config.num_splits):
       raise ValueError(
           f"{config.num_splits=} must divide {topk=} into multiples of"
-          f" {_kernel.TILE} indices"
+          f" {TILE} indices"
       )
     cut = rows_to_cut(config, batch=batch, num_heads=heads, topk=topk)
-    if cut.rows and (cut.rows > batch or topk < cut.pieces * _kernel.TILE):
+    if cut.rows and (cut.rows > batch or topk < cut.pieces * TILE):
       raise ValueError(
           f"{config.cut_rows=} must be at most batch = {batch}, with topk = {topk} of at"
-          f" least {cut.pieces} x {_kernel.TILE} indices ({cut.pieces} pieces of a tile or"
+          f" least {cut.pieces} x {TILE} indices ({cut.pieces} pieces of a tile or"
           f" more; {config.pieces=})"
       )
     if cut.parts > batch:
@@ -105,7 +106,7 @@ def sparse_mla_decode(
       # halves: two).
       cluster = cluster_ctas(num_splits=config.num_splits, cut_rows=cut.rows,
                              cluster_merge=cluster_merge)
-      require_interpreter_threads(_kernel.NUM_THREADS * cluster, "sparse_mla_decode")
+      require_interpreter_threads(NUM_THREADS * cluster, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
       return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
     return _sparse_mla_decode(
@@ -173,7 +174,7 @@ def _sparse_mla_decode(
     pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
 ):
   batch, heads, _ = q.shape
-  heads_padded = -(-heads // _kernel.HEAD_TILE) * _kernel.HEAD_TILE
+  heads_padded = -(-heads // HEAD_TILE) * HEAD_TILE
   qp = q.astype(jnp.bfloat16)
   # A multiple of 8 heads goes in unpadded (as in dense decode: no XLA pad,
   # and with one split and a staged bf16 result, no slice); `pad_heads` pads
@@ -181,7 +182,7 @@ def _sparse_mla_decode(
   q_heads = query_rows(heads, pad=pad_heads)
   if q_heads != heads:
     qp = jnp.pad(qp, ((0, 0), (0, heads_padded - heads), (0, 0)))
-  rows = cache.reshape(-1, _kernel.HEAD_DIM)
+  rows = cache.reshape(-1, MLA_HEAD_DIM)
   call = _kernel.build_kernel(
       batch=batch,
       heads_padded=heads_padded,
@@ -205,7 +206,7 @@ def _sparse_mla_decode(
   if parts:
     # The rows cut between parts: two pieces each ([parts - 1, 2, hp, 512],
     # [parts - 1, 2, hp] f32), merged into the rows the kernel left unwritten.
-    tiles = indices.shape[1] // _kernel.TILE
+    tiles = indices.shape[1] // TILE
     stream = (batch * tiles, parts, tiles)
     if xla_combine:
       # Boundaries between rows cut none: their pieces are dropped.
