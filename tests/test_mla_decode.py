@@ -503,7 +503,7 @@ def test_register_split_fits_the_launch(op):
 
   from jaxkv.kernels.mla_decode.layout import NUM_THREADS  # both kernels' launch
 
-  k = importlib.import_module(f"jaxkv.kernels.{op}.kernel")
+  k = importlib.import_module(f"jaxkv.kernels.{op}.cta")
   regs = (k.PRODUCER_REGS, k.CONSUMER_REGS)
   assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
   per_thread = 65536 // (NUM_THREADS * 128) // 8 * 8
