@@ -1,0 +1,118 @@
+"""Sparse MLA decode's compiled kernel lowered for CUDA on the CPU: the paths the
+interpreter cannot run (the per-thread cp.async gather, stage mbarriers, clusters)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from sparse_problem import BLOCK_SIZE, NUM_BLOCKS, SCALE
+
+
+@pytest.mark.parametrize(
+    "select, splits, heads, q_regs, stage_out",
+    [(True, 1, 64, 0, False), (False, 2, 128, 0, False), (True, 1, 128, 128, False),
+     (False, 1, 128, 128, True),
+     # Unpadded queries: the zeroed query rows, the last group's shorter copies
+     # and (staged) stores.
+     (True, 1, 16, 0, True), (False, 2, 96, 0, False)],
+)
+def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_out):
+  """The compiled kernel's own path (the per-thread cp.async gather, the stage
+  mbarriers, "multiply"'s warp reduction) exists only for the GPU, where the
+  interpreter cannot run it: lowering it for CUDA here catches a broken body on a
+  CPU machine. (Its results are checked on the H200 by the benchmark script.)"""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 2, 64 * splits
+  call = K.build_kernel(
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=splits,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=q_regs, stage_out=stage_out,
+      out_dtype=jnp.bfloat16, q_heads=heads,
+  )
+  _assert_lowers(call, batch, heads, topk, select)
+
+
+def _assert_lowers(call, batch, heads, topk, select):
+  args = (
+      jax.ShapeDtypeStruct((batch, heads, 576), jnp.bfloat16),
+      jax.ShapeDtypeStruct((NUM_BLOCKS * BLOCK_SIZE, 576), jnp.bfloat16),
+      jax.ShapeDtypeStruct((batch, topk), jnp.int32),
+  )
+  text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  ops = ["nvvm.cp.async.shared.global", "nvvm.cp.async.mbarrier.arrive",
+         "nvvm.mbarrier.try_wait.parity", "nvvm.mbarrier.init"]
+  if not select:
+    ops.append("nvvm.redux.sync")
+  for op in ops:
+    assert op in text, op
+  return text
+
+
+@pytest.mark.parametrize("select, heads, splits", [(True, 128, 8), (False, 16, 2)])
+def test_compiled_kernel_with_cluster_merge_lowers_for_hopper(select, heads, splits):
+  """`cluster_merge` on the compiled path: clusters, and `barrier.cluster` in
+  place of the interpreter's cluster barrier."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 2, 64 * splits
+  call = K.build_kernel(
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=splits,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, cluster_merge=True,
+  )
+  text = _assert_lowers(call, batch, heads, topk, select)
+  assert "barrier.cluster.arrive.release.aligned" in text
+  assert "gpu.cluster_block_id" in text
+
+
+@pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
+def test_compiled_kernel_with_rows_cut_in_halves_lowers_for_hopper(select, heads):
+  """`cut_rows` on the compiled path: tile counts per CTA known only at run
+  time, and both the direct (staged) and the partial stores in one body, in
+  halves and in three pieces."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 3, 192
+  for pieces in (2, 3):
+    call = K.build_kernel(
+        batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
+        sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+        out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, pieces=pieces,
+    )
+    _assert_lowers(call, batch, heads, topk, select)
+
+
+@pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
+def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select, heads):
+  """`cut_rows` with `cluster_merge` on the compiled path: clusters of two,
+  `barrier.cluster` met by the cut rows' clusters alone, and the merged
+  pieces staged in the KV ring's bytes (at 16 heads the real rows alone)."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 4, 192
+  call = K.build_kernel(
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, cluster_merge=True,
+  )
+  text = _assert_lowers(call, batch, heads, topk, select)
+  assert "barrier.cluster.arrive.release.aligned" in text
+  assert "gpu.cluster_block_id" in text
+
+
+@pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
+def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, heads):
+  """`parts` on the compiled path: a loop over a part's row segments, the
+  query reloaded per segment, the result, and both pieces' partial stores in
+  one body."""
+  from jaxkv.kernels.sparse_mla_decode import kernel as K
+
+  batch, topk = 5, 128
+  call = K.build_kernel(
+      batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
+      sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, parts=3,
+  )
+  _assert_lowers(call, batch, heads, topk, select)
