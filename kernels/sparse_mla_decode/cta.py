@@ -36,10 +36,8 @@ class Launch:
   q_regs: int
   scale_log2: float
   out_dtype: Any
-  heads_padded: int
   head_groups: int
   tail_heads: int  # real rows of the last head group
-  out_heads: int  # rows of the result per batch row
   cut_rows: int
   pieces: int
   cluster_merge: bool

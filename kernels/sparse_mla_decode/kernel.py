@@ -214,8 +214,8 @@ def build_kernel(
   static = Launch(
       batch=batch, num_tiles=num_tiles, num_splits=num_splits, select=select,
       compiled=compiled, q_regs=q_regs, scale_log2=float(sm_scale) * LOG2E,
-      out_dtype=out_dtype, heads_padded=heads_padded, head_groups=heads_padded // HEAD_TILE,
-      tail_heads=tail_heads, out_heads=out_heads, cut_rows=cut_rows, pieces=pieces,
+      out_dtype=out_dtype, head_groups=heads_padded // HEAD_TILE, tail_heads=tail_heads,
+      cut_rows=cut_rows, pieces=pieces,
       cluster_merge=cluster_merge, cluster_size=cluster_size, parts=parts,
       stage_out=stage_out, stage_merged=stage_merged)
 

@@ -52,8 +52,13 @@ def boundary_row(boundary, *, total: int, parts: int, tiles: int):
   return beg // tiles, beg % tiles != 0
 
 
+def boundary_rows(*, batch: int, tiles: int, parts: int) -> list[tuple[int, bool]]:
+  """`boundary_row` of boundaries 1 to `parts - 1`, in order (the stream's
+  partial `p - 1` belongs to boundary p)."""
+  total = batch * tiles
+  return [boundary_row(p, total=total, parts=parts, tiles=tiles) for p in range(1, parts)]
+
+
 def cut_boundaries(*, batch: int, tiles: int, parts: int) -> int:
   """How many rows the stream cuts (each into two pieces)."""
-  total = batch * tiles
-  return sum(bool(boundary_row(p, total=total, parts=parts, tiles=tiles)[1])
-             for p in range(1, parts))
+  return sum(cut for _, cut in boundary_rows(batch=batch, tiles=tiles, parts=parts))

@@ -26,7 +26,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
-from jaxkv.kernels.sparse_mla_decode.stream import boundary_row
+from jaxkv.kernels.sparse_mla_decode.stream import boundary_rows
 
 TOPK_MULTIPLE = 64
 MAX_TOPK = 2048
@@ -207,18 +207,16 @@ def _sparse_mla_decode(
     # The rows cut between parts: two pieces each ([parts - 1, 2, hp, 512],
     # [parts - 1, 2, hp] f32), merged into the rows the kernel left unwritten.
     tiles = indices.shape[1] // TILE
-    stream = (batch * tiles, parts, tiles)
     if xla_combine:
       # Boundaries between rows cut none: their pieces are dropped.
-      rows_cut, cuts = zip(*(boundary_row(p, total=stream[0], parts=parts, tiles=tiles)
-                             for p in range(1, parts)))
+      rows_cut, cuts = zip(*boundary_rows(batch=batch, tiles=tiles, parts=parts))
       keep = np.flatnonzero(cuts)
       return _combine_in_xla(o, lse, more, heads=heads, select=select, keep=keep,
                              at=np.asarray(rows_cut)[keep])
     merge = build_piece_merge(
         rows=parts - 1, pieces=2, heads_padded=heads_padded, out_heads=o.shape[1],
-        out_dtype=o.dtype, select=select, interpret=interpret, first_row=0, stream=stream,
-        q_heads=q_heads)
+        out_dtype=o.dtype, select=select, interpret=interpret, first_row=0,
+        stream=(batch * tiles, parts, tiles), q_heads=q_heads)
     return real_heads(*merge(*more, o, lse), heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
     if not cut_rows:
