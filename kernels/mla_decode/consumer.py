@@ -20,6 +20,8 @@ from .layout import (
     NUM_STAGES,
     SLOT_HALF,
     TILE,
+    scaled_half,
+    stage_head_group,
     store_head_rows,
 )
 from .seesaw import (
@@ -37,12 +39,14 @@ from .seesaw import (
 )
 
 
-def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, finished) -> None:
+def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scale_ref,
+            finished) -> None:
   """Consumer `wg`'s whole run over the part's row segments (static `wg`:
   every SMEM slice below has a compile-time offset).
 
-  o_ref and lse_ref are the partials, `finished` the rows finished here
-  (`kernel.build_kernel`'s outputs), GMEM.
+  o_ref and lse_ref are the partials (with float16 partials scale_ref their
+  scales, else None), `finished` the rows finished here (`kernel.build_kernel`'s
+  outputs), GMEM.
   """
   compiled, block_size, select = launch.compiled, launch.block_size, launch.select
   tile_regions, partial_cols, g, heads = launch.tile_regions, launch.partial_cols, cta.g, cta.heads
@@ -108,7 +112,10 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, fini
         clean=functools.partial(clean_values, slot, n_keep) if clean else None,
         whole_pv=launch.whole_pv, fence=launch.fence_all or last, regions=tile_regions,
     )
-    plgpu.barrier_arrive(free_bar.at[slot])
+    if not (last and launch.f16_partials):
+      # (A segment's last stage stays ours until `finish` has stored
+      # the float16 partial through it.)
+      plgpu.barrier_arrive(free_bar.at[slot])
     if last:
       # The segment's last QK and PV are done: the producer may load
       # the next segment's query.
@@ -143,11 +150,11 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, fini
       )
       acc, m_i, l_own = step(n - 1, carry, last=True)
       with jax.named_scope("epilogue"):
-        finish(row, split, whole, acc, m_i, l_own)
+        finish(row, split, whole, acc, m_i, l_own, lax.rem(steps + n - 1, NUM_STAGES))
 
     return steps + n
 
-  def finish(row, split, whole, acc, m_i, l_own):
+  def finish(row, split, whole, acc, m_i, l_own, slot):
     # The exchange rows serve the next segment's maxima too.
     with jax.named_scope("row_sums"):
       l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=True)
@@ -162,7 +169,9 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, fini
 
     @jax.named_scope("store")
     def partial():
-      if partial_cols is None:
+      if launch.f16_partials:
+        staged_f16(o)
+      elif partial_cols is None:
         store(o_ref.at[row, split, heads, cols], o)
       else:  # this half's channels, partial_cols at a time
         per = HALF // partial_cols
@@ -175,8 +184,22 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, fini
         else:
           lse_ref[row, g, split] = lse
 
+    def staged_f16(o):
+      # Scaled to float16 (`scaled_half`) and stored by TMA through our
+      # value half of the segment's last stage: its other reader, the
+      # other consumer's QK of that tile, was done before its P reached
+      # us. Whole rows by TMA, where float16 from registers would fill
+      # half of each 32-byte sector a warp store touches (NOTES.md).
+      bits, scale = scaled_half(o)
+      scale_ref[row, split, wg, heads] = scale
+      out_at = lambda rows: o_ref.at[row, split, rows, cols]
+      stage_head_group(k_lat.at[slot, wg], bits, out_at, g, heads=heads,
+                       head_groups=launch.head_groups, tail_heads=launch.tail_heads)
+
     if whole is None:
       partial()
+      if launch.f16_partials:
+        plgpu.barrier_arrive(free_bar.at[slot])
       return
 
     @pl.when(whole)
@@ -188,6 +211,8 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, fini
         lse_out_ref[row, heads] = lse
 
     pl.when(~whole)(partial)
+    if launch.f16_partials:
+      plgpu.barrier_arrive(free_bar.at[slot])
 
   seesaw_begin(wg, bars)
   lax.fori_loop(cta.row_lo, cta.row_hi, consume_row, jnp.int32(0))

@@ -44,6 +44,7 @@ class Launch:
   tile_regions: bool  # profile regions inside a tile
   pieces: int  # cache block pieces per tile (TMA copies: three per piece)
   piece_slots: int  # slots per piece
+  f16_partials: bool  # partials' O in scaled float16, staged in the last stage
 
 
 class Part:

@@ -102,6 +102,7 @@ def build_kernel(
     p_fence: bool | None = None,
     tile_regions: bool = True,
     q_heads: int | None = None,
+    f16_partials: bool = False,
 ):
   """Builds the kernel call.
 
@@ -184,6 +185,9 @@ def build_kernel(
   tail_heads = last_group_rows(q_heads, heads_padded)
   head_groups = heads_padded // HEAD_TILE
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
+  # A TMA copy cannot read a column slice of the stage's tiles (not one
+  # contiguous box): float16 partials are stored in whole halves.
+  assert not (f16_partials and partial_cols), "f16_partials needs partial_cols=None"
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
@@ -201,7 +205,8 @@ def build_kernel(
       compiled=compiled, finish_rows=finish_rows, q_regs=q_regs,
       scale_log2=float(sm_scale) * LOG2E, head_groups=head_groups, tail_heads=tail_heads,
       partial_cols=partial_cols, whole_pv=whole_pv, fence_all=fence_all,
-      tile_regions=tile_regions, pieces=pieces, piece_slots=min(block_size, TILE))
+      tile_regions=tile_regions, pieces=pieces, piece_slots=min(block_size, TILE),
+      f16_partials=f16_partials)
 
   def mla_decode_kernel(
       q_ref,  # [batch, q_heads, 576] bf16, GMEM
@@ -214,9 +219,11 @@ def build_kernel(
       row_part_ref,  # [batch] int32, GMEM
       o_ref,  # [batch, num_splits, heads_padded, 512] f32, GMEM (or split_outputs' wide layout)
       lse_ref,  # [batch, num_splits, heads_padded] f32, GMEM (or split_outputs' wide layout)
-      *finished,  # with finish_rows: out [batch, heads_padded, 512] bf16 and
-      # lse_out [batch, heads_padded] f32, GMEM: the rows finished here
+      *rest,  # with f16_partials, the partials' scales (`split_outputs`);
+      # with finish_rows: out [batch, heads_padded, 512] bf16 and lse_out
+      # [batch, heads_padded] f32, GMEM: the rows finished here
   ):
+    scale_ref, finished = (rest[0], rest[1:]) if f16_partials else (None, rest)
     cta = Part(static, table_ref=table_ref, seq_lens_ref=seq_lens_ref,
                row_start_ref=row_start_ref, part_rows_ref=part_rows_ref,
                part_start_ref=part_start_ref, row_part_ref=row_part_ref)
@@ -237,7 +244,8 @@ def build_kernel(
       wg = lax.axis_index("wg")
       pl.when(wg == 2)(lambda: produce(static, cta, smem, q_ref, cache_ref, table_ref))
       for w in range(2):
-        pl.when(wg == w)(lambda w=w: consume(w, static, cta, smem, o_ref, lse_ref, finished))
+        pl.when(wg == w)(lambda w=w: consume(w, static, cta, smem, o_ref, lse_ref, scale_ref,
+                                                finished))
 
     kv = bf16_tile(kv_swizzle)
     pl.run_scoped(
@@ -267,7 +275,7 @@ def build_kernel(
       grid=(num_parts, heads_padded // HEAD_TILE),
       grid_names=("p", "g"),
       out_type=(
-          *split_outputs(batch, num_splits, heads_padded, partial_cols),
+          *split_outputs(batch, num_splits, heads_padded, partial_cols, f16=f16_partials),
           *([jax.ShapeDtypeStruct((batch, heads_padded, LATENT), dtype),
              jax.ShapeDtypeStruct((batch, heads_padded), jnp.float32)] if finish_rows else []),
       ),

@@ -224,24 +224,60 @@ def _store_first_rows(dst, value, rows: int, *, compiled: bool) -> None:
   _store(value, dst)
 
 
-def split_outputs(batch, num_splits, heads_padded, partial_cols=None):
+def split_outputs(batch, num_splits, heads_padded, partial_cols=None, *, f16=False):
   """Each split's normalised partial O and its LSE, float32: O
   `[batch, num_splits, heads_padded, 512]` and LSE `[batch, num_splits,
   heads_padded]`, or with `partial_cols` O `[batch, 512 / partial_cols,
   heads_padded / 64, num_splits, 64, partial_cols]` and LSE `[batch,
   heads_padded / 64, num_splits, 64]` (`merge_tiling.wide_partials` of the first
-  two)."""
+  two).
+
+  With `f16`, O holds float16 bits in a bfloat16 array (`scaled_half`'s
+  values: staged through the bf16 KV ring, whose SMEM cannot be viewed as
+  float16), and a third output holds their scales, float32 `[batch,
+  num_splits, 2, heads_padded]` by channel half (with `partial_cols`
+  `[batch, heads_padded / 64, 2, num_splits, 64]`)."""
   groups = heads_padded // HEAD_TILE
   if partial_cols is None:
     o_shape = (batch, num_splits, heads_padded, LATENT)
     lse_shape = (batch, num_splits, heads_padded)
+    scale_shape = (batch, num_splits, 2, heads_padded)
   else:
     o_shape = (batch, LATENT // partial_cols, groups, num_splits, HEAD_TILE, partial_cols)
     lse_shape = (batch, groups, num_splits, HEAD_TILE)
-  return (
-      jax.ShapeDtypeStruct(o_shape, jnp.float32),
+    scale_shape = (batch, groups, 2, num_splits, HEAD_TILE)
+  outs = (
+      jax.ShapeDtypeStruct(o_shape, jnp.bfloat16 if f16 else jnp.float32),
       jax.ShapeDtypeStruct(lse_shape, jnp.float32),
   )
+  return (*outs, jax.ShapeDtypeStruct(scale_shape, jnp.float32)) if f16 else outs
+
+
+def scaled_half(o):
+  """A float32 `[64, n]` partial as `(bits, scale)`: `o / scale` in float16,
+  its bits as bfloat16 (`split_outputs(f16=True)`), and `scale` (`[64]`,
+  one per row), the least power of two at or above the row's largest finite
+  |o| (1 for a row of zeros; within [2^-126, 2^126]). So `o / scale` is
+  within [-1, 1] where finite (within [-4, 4] past 2^126), exact before its
+  cast, and NaN or infinite where o is: no finite value overflows float16.
+  Powers of two by their bits: `approx_math` keeps neither exp2 nor a
+  division exact."""
+  mag = jnp.where(jnp.abs(o) < jnp.inf, jnp.abs(o), 0.0).max(axis=1)
+  bits = jax.lax.bitcast_convert_type(mag, jnp.int32)
+  # Any mantissa carries into the exponent: rounds up to a power of two.
+  up = jnp.clip((bits + 0x007FFFFF) & 0x7F800000, 0x00800000, 0x7E800000)
+  up = jnp.where(mag > 0.0, up, 0x3F800000)
+  inv = jax.lax.bitcast_convert_type(0x7F000000 - up, jnp.float32)  # 2^-e for 2^e
+  scaled = (o * jax.lax.broadcast_in_dim(inv, o.shape, [0])).astype(jnp.float16)
+  return (jax.lax.bitcast_convert_type(scaled, jnp.bfloat16),
+          jax.lax.bitcast_convert_type(up, jnp.float32))
+
+
+def unscaled(bits, scale):
+  """`scaled_half`'s inverse up to the float16 rounding: float32 `bits`
+  (bfloat16 holding float16) times `scale` (broadcast over the last axis)."""
+  o = jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+  return o * scale
 
 
 def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None,

@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .layout import (
+    HALF,
     HEAD_TILE,
     LOG2E,
     TILE,
@@ -74,7 +75,8 @@ from .merge_tiling import (
 from .seesaw import softmax_finish, softmax_start
 
 
-def ring_step(j, carry, *, bar, lse_buf, o_buf, stages: int, n, fetch, live_rows=None):
+def ring_step(j, carry, *, bar, lse_buf, o_buf, stages: int, n, fetch, live_rows=None,
+              scale_buf=None):
   """Split j of the per-split ring's online merge: waits for its slot (`j %
   stages` of `o_buf` `[stages, 64, cols]` and `lse_buf` `[stages, 64]` f32,
   landing on `bar`), refills the slot with split `j + stages` if it is below
@@ -82,13 +84,18 @@ def ring_step(j, carry, *, bar, lse_buf, o_buf, stages: int, n, fetch, live_rows
   units). `live_rows(j)`, where given, is a row-layout mask of the tile rows
   whose split j is live (`packed_merge.build_packed_merge`); the others are
   selected away, and a row without a live split so far keeps weight 0.
-  None: every row's split j is live (`build_merge`)."""
+  None: every row's split j is live (`build_merge`). With `scale_buf`
+  (`[stages, 64]` f32, on the same barrier), o_buf holds float16 partials
+  (`layout.scaled_half`'s bits) and their scales."""
   acc, m, l = carry
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   slot = lax.rem(j, stages)
   plgpu.barrier_wait(bar.at[slot])
   lse_j = plgpu.load(lse_buf.at[slot], layout=row_layout, optimized=False) * LOG2E
   o_j = plgpu.load(o_buf.at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
+  if scale_buf is not None:
+    o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
+    scale_j = plgpu.load(scale_buf.at[slot], layout=row_layout, optimized=False)
   # The slot is refilled at once: every thread's reads are ordered before
   # the copy (Pallas's warpgroup barrier ahead of a TMA issue).
   plgpu.commit_smem()
@@ -103,8 +110,10 @@ def ring_step(j, carry, *, bar, lse_buf, o_buf, stages: int, n, fetch, live_rows
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no live split yet: weights 0
   alpha = jnp.exp2(m - m_ref)
   w = jnp.exp2(lse_j - m_ref)
+  # A power of two: w * scale_j rounds as o_j * scale_j would.
+  w_o = w if scale_buf is None else w * scale_j
   acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o_j * lax.broadcast_in_dim(
-      w, acc.shape, [0]
+      w_o, acc.shape, [0]
   )
   return acc, m_new, l * alpha + w
 
@@ -114,7 +123,7 @@ def build_merge(
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
     group: bool = False, stage_out: bool = False, out_heads: int | None = None,
-    partial_heads: int | None = None,
+    partial_heads: int | None = None, f16_partials: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -167,6 +176,11 @@ def build_merge(
   whatever they held and stay in their rows: every row of the merge is its
   own, and no store writes them. The grouped pass reads whole tiles (one
   bulk copy of a group's splits) and needs none of it either.
+
+  `f16_partials` (the per-split ring of one pass only): o holds float16
+  partials as the decode kernel's `f16_partials` stores them
+  (`layout.split_outputs`), and their scales `[batch, num_splits, 2,
+  heads_padded]` f32 come as an argument after lse.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -179,6 +193,7 @@ def build_merge(
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
   assert not group or (chunk is None and edge_chunk is None and can_group(num_splits))
+  assert not f16_partials or (chunk is None and edge_chunk is None and not group)
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   stage_out = stage_out and jnp.dtype(out_dtype).itemsize == 2
@@ -190,6 +205,9 @@ def build_merge(
                             heads_padded)
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, *refs):
+    scale_ref = scale_buf = None
+    if f16_partials:
+      scale_ref, *refs, scale_buf = refs
     if tail_heads < HEAD_TILE:
       *refs, lse_stage = refs
     if stage_out:
@@ -218,8 +236,13 @@ def build_merge(
       heads = pl.ds(lax.axis_index("g") * HEAD_TILE, HEAD_TILE)
       chans = pl.ds(c * cols, cols)
       n = live_splits(bound, span)  # the row's first n splits are its live ones
-      row = merge_row_grouped if group else merge_row
-      acc, m, l = row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar)
+      if group:
+        acc, m, l = merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf,
+                                      lse_buf, bar)
+      else:
+        scales = None if scale_ref is None else (scale_ref, scale_buf)
+        acc, m, l = merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
+                              scales)
       o, lse = softmax_finish(acc, m, l)
 
       def store_whole():  # all 64 rows of the head group
@@ -252,8 +275,9 @@ def build_merge(
     else:
       run()
 
-  def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
-    """`(acc, m, l)` of the row's n live splits, one at a time through a ring."""
+  def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales):
+    """`(acc, m, l)` of the row's n live splits, one at a time through a ring
+    (`scales`: float16 partials' `(scale_ref, scale_buf)`, else None)."""
 
     def fetch(j):
       slot = lax.rem(j, stages)
@@ -268,12 +292,17 @@ def build_merge(
               o_buf.at[slot, pl.ds(0, in_tail)], bar.at[slot]),
       )
       plgpu.copy_gmem_to_smem(lse_ref.at[b, first + j, heads], lse_buf.at[slot], bar.at[slot])
+      if scales:  # the scale of the channel half these channels are in
+        scale_ref, scale_buf = scales
+        half = lax.div(chans.start, HALF)
+        plgpu.copy_gmem_to_smem(scale_ref.at[b, first + j, half, heads], scale_buf.at[slot],
+                                bar.at[slot])
 
     for k in range(stages):
       pl.when(k < n)(lambda k=k: fetch(k))
 
     step = functools.partial(ring_step, bar=bar, lse_buf=lse_buf, o_buf=o_buf, stages=stages,
-                             n=n, fetch=fetch)
+                             n=n, fetch=fetch, scale_buf=scales and scales[1])
 
     # A live split has a finite LSE (it read at least one slot), so the
     # first one sets m finite and alpha never sees -inf - -inf.
@@ -353,14 +382,16 @@ def build_merge(
     ]
   else:
     scratch = [
-        plgpu.SMEM((stages, HEAD_TILE, cols), jnp.float32),
+        plgpu.SMEM((stages, HEAD_TILE, cols), jnp.bfloat16 if f16_partials else jnp.float32),
         plgpu.SMEM((stages, HEAD_TILE), jnp.float32),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=3 if f16_partials else 2, num_barriers=stages),
     ]
   if stage_out:
     scratch.append(plgpu.SMEM((HEAD_TILE, cols), out_dtype))
   if tail_heads < HEAD_TILE:
     scratch.append(plgpu.SMEM((HEAD_TILE,), jnp.float32))
+  if f16_partials:
+    scratch.append(plgpu.SMEM((stages, HEAD_TILE), jnp.float32))
   per_row = () if chunk is None else (chunks,)
   outputs = (
       jax.ShapeDtypeStruct((batch, *per_row, out_heads, dv), out_dtype),
@@ -382,25 +413,29 @@ def build_merge(
   )
 
   if not group:
-    return merge_call(call, finish_rows=finish_rows)
+    return merge_call(call, finish_rows=finish_rows, scaled=f16_partials)
   # `wide_partials`' layout with every dimension but a split's tile as one
   # (a free reshape): a group's copy is then a contiguous slice.
   return merge_call(call, finish_rows=finish_rows, flat=lambda o: o.reshape(-1, HEAD_TILE, cols))
 
 
-def merge_call(call, *, finish_rows: bool, flat=lambda o: o):
+def merge_call(call, *, finish_rows: bool, flat=lambda o: o, scaled: bool = False):
   """A merge kernel's call as `build_merge` returns it: `(seq_lens, bounds,
-  o, lse) -> (out, lse_out)`, o passed through `flat`; with `finish_rows`
-  `(..., out, lse_out) -> (out, lse_out)`, the decode kernel's outputs
-  updated in place (a Pallas state discharge aliases them)."""
-  if not finish_rows:
-    return lambda seq_lens, bounds, o, lse: call(seq_lens, bounds, flat(o), lse)
+  o, lse) -> (out, lse_out)`, o passed through `flat`, and with `scaled` the
+  float16 partials' scales after lse; with `finish_rows` `(..., out,
+  lse_out) -> (out, lse_out)`, the decode kernel's outputs updated in place
+  (a Pallas state discharge aliases them)."""
 
-  def merge(seq_lens, bounds, o, lse, out, lse_out):
+  def merge(seq_lens, bounds, o, lse, *rest):
+    scale, finished = (rest[:1], rest[1:]) if scaled else ((), rest)
+    inputs = (seq_lens, bounds, flat(o), lse, *scale)
+    assert len(finished) == (2 if finish_rows else 0)
+    if not finish_rows:
+      return call(*inputs)
 
     def in_place(refs):
-      call(seq_lens, bounds, flat(o), lse, *refs)
+      call(*inputs, *refs)
 
-    return pl.run_state(in_place)((out, lse_out))
+    return pl.run_state(in_place)(tuple(finished))
 
   return merge

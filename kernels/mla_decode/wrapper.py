@@ -145,10 +145,10 @@ def mla_decode(
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "pack"))
+                              "pack", "f16_partials"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                stage_merge_out=True, pad_heads=False, pack=True):
+                stage_merge_out=True, pad_heads=False, pack=True, f16_partials=False):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -189,14 +189,24 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     cols, stages = _tiling.grouped_tiling(
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols)
     tiling = dict(cols=cols, stages=stages)
+  rows_per_cta = _packed.pack_rows(heads=q_rows, head_groups=head_groups,
+                                  num_splits=plan.num_splits)
+  packed = pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2
+  if f16_partials and (group or packed or plan.num_splits > _tiling.MAX_SPLITS):
+    raise ValueError("f16_partials: only where the per-split ring merges in one pass")
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
       select=select, interpret=interpret, finish_rows=finish_rows, kv_swizzle=kv_swizzle,
       q_regs=q_regs, partial_cols=tiling.get("cols"), p_fence=p_fence, q_heads=q_rows,
+      f16_partials=f16_partials,
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
+  scale = ()
+  if f16_partials:
+    scale, *finished = finished
+    scale = (scale,)
   merge_args = dict(
       batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
@@ -220,9 +230,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # Rows of few heads (8-32, one head group): several rows' heads stacked in
   # one CTA's tile (`packed_merge.build_packed_merge`; `pack=False` keeps a CTA per
   # row, the benchmark's A/B).
-  rows_per_cta = _packed.pack_rows(heads=q_rows, head_groups=head_groups,
-                                  num_splits=plan.num_splits)
-  if pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2:
+  if packed:
     merge = _packed.build_packed_merge(
         batch=batch, num_splits=plan.num_splits, heads=q_rows, dv=_layout.LATENT,
         max_tokens=max_blocks * block_size, out_dtype=q.dtype, interpret=interpret,
@@ -238,7 +246,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
-      **merge_args
+      f16_partials=f16_partials, **merge_args
   )
-  out, lse_out = merge(seq_lens, plan.bounds, o, lse, *finished)
+  out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return _layout.real_heads(out, lse_out, heads)
