@@ -16,6 +16,10 @@ merge's bf16 output from registers instead of by TMA from SMEM (checked
 bitwise), ":padded" pads a query of fewer heads than its head groups to
 64 per group in XLA and slices the result (the build before the unpadded
 query; checked bitwise);
+":f32p" stores the split partials in float32 (the default where the
+per-split ring merges in one pass stores them in scaled float16; checked
+within the float16 rounding), ":f16p" in float16 wherever the per-split ring
+merges;
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -170,12 +174,14 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # "mdirect" stores the merge's bf16 output from registers, not by TMA,
 # "nopack" merges rows of 8-32 heads one row per CTA, not stacked,
 # "f16p" stores the partials in scaled float16 by TMA through the segment's
-# last stage (the per-split ring merge only: no stacked merge).
+# last stage wherever the per-split ring merges (the default where it
+# merges in one pass; not with the stacked merge), "f32p" in float32.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
                   "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True),
-                  "nopack": dict(pack=False), "f16p": dict(f16_partials=True, pack=False)}
+                  "nopack": dict(pack=False), "f16p": dict(f16_partials=True, pack=False),
+                  "f32p": dict(f16_partials=False)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -273,16 +279,17 @@ def check_blocks_outside_the_cache(rng, cfg):
 # `_mla_decode` knobs that change the kernel's timing, never its arithmetic.
 SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=False),
                "padded": dict(pad_heads=True), "nopack": dict(pack=False),
-               "f16p": dict(f16_partials=True, pack=False)}
+               "f16p": dict(f16_partials=True, pack=False), "f32p": dict(f16_partials=False)}
 # Of those, the ones whose arithmetic is the default's but not its rounding:
 # the stacked merge's masked steps compile to other fused multiply-adds than
 # the per-row ring's (not bit-identical on the H200 at 16 heads, 2026-12-03),
 # so "nopack" is compared within one bf16 ulp, with the same NaNs, and
 # "padded" (which never stacks) bit for bit against "nopack".
-# "f16p" rounds each split's partial to float16 (2^-11 of its row half's
-# largest value): compared with `_close_partials`.
+# "f16p" and "f32p" store each split's partial in another dtype than the
+# default may (float16 rounds it to 2^-11 of its row half's largest value):
+# compared with `_close_partials`.
 ROUNDING_ONLY = {"nopack"}
-PARTIAL_ROUNDING = {"f16p"}
+PARTIAL_ROUNDING = {"f16p", "f32p"}
 
 
 def _close(got, want):

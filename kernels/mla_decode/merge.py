@@ -177,7 +177,7 @@ def build_merge(
   own, and no store writes them. The grouped pass reads whole tiles (one
   bulk copy of a group's splits) and needs none of it either.
 
-  `f16_partials` (the per-split ring of one pass only): o holds float16
+  `f16_partials` (the per-split ring: one pass, or the first of two): o holds float16
   partials as the decode kernel's `f16_partials` stores them
   (`layout.split_outputs`), and their scales `[batch, num_splits, 2,
   heads_padded]` f32 come as an argument after lse.
@@ -193,7 +193,7 @@ def build_merge(
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
   assert not group or (chunk is None and edge_chunk is None and can_group(num_splits))
-  assert not f16_partials or (chunk is None and edge_chunk is None and not group)
+  assert not f16_partials or (edge_chunk is None and not group)
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   stage_out = stage_out and jnp.dtype(out_dtype).itemsize == 2

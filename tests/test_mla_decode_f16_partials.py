@@ -1,0 +1,178 @@
+"""Dense MLA decode's float16 partials: the decode kernel's scaled float16
+partials (staged through a segment's last KV stage and stored by TMA) against
+its float32 ones, the per-split ring merge of them against its merge of the
+same values in float32, and the whole call on values past float16's range."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.kernels.mla_decode import MLADecodeConfig, mla_decode_plan
+
+from mla_problem import BS, FAST, RACES, SCALE, assert_close, poison, problem, run_reference, segments
+
+
+def scaled_half_spec(o):
+  """`layout.scaled_half` in NumPy, per 256-channel half of `o` `[..., 512]`
+  f32: (o / scale as float16, scale `[..., 2]`), scale the least power of two
+  at or above the half's largest finite |o| (1 where there is none)."""
+  halves = o.reshape(*o.shape[:-1], 2, 256)
+  mag = np.where(np.isfinite(halves), np.abs(halves), 0).max(axis=-1)
+  exp = np.ceil(np.log2(np.where(mag > 0, mag, 1.0)))
+  scale = np.where(mag > 0, 2.0**exp, 1.0).astype(np.float32)
+  return (halves / scale[..., None]).astype(np.float16).reshape(o.shape), scale
+
+
+def varied_cache(cache, table, seed):
+  """The cache with each block scaled by its own power of ten in [1e-3, 1e3],
+  and row 0's blocks by 3e5: partials from far below 1 to past float16's
+  largest value (65,504)."""
+  rng = np.random.default_rng(seed)
+  factor = 10.0 ** rng.uniform(-3, 3, size=cache.shape[0])
+  factor[table[0][table[0] > 0]] = 3e5
+  return cache * factor[:, None, None]
+
+
+@pytest.mark.parametrize("heads, select", [(64, True), (40, False)])
+def test_kernel_partials_are_its_float32_ones_scaled_and_rounded(heads, select):
+  """Each segment's float16 partial is, bit for bit, its float32 partial divided
+  by the scale and rounded; the scale is the least power of two at or above
+  each half row's largest |o| (values up to ~1e5, past float16's range); the
+  LSE is the float32 build's. 40 heads: the last head group's real rows alone
+  (the staged store's short branch). The race detector watches the stage that
+  is held until the copy has read it."""
+  from jaxkv.kernels.mla_decode import kernel
+
+  seq_lens = [5 * BS - 3, 2 * BS, BS + 1, 3 * BS + 7]
+  q, cache, table, lens = problem(23, seq_lens, heads)
+  cache = varied_cache(cache, table, 23)
+  if not select:
+    cache, _ = poison(cache, table, lens)
+  hp = 64
+  q = jnp.asarray(q)
+  config = MLADecodeConfig(num_splits=3, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, config=config, num_sms=4)
+
+  def run(f16):
+    call = kernel.build_kernel(
+        batch=len(lens), heads_padded=hp, num_parts=plan.num_parts, num_splits=plan.num_splits,
+        block_size=BS, sm_scale=SCALE, select=select, interpret=RACES if f16 else FAST,
+        q_heads=heads, f16_partials=f16)
+    return call(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+                plan.row_start, plan.part_rows, plan.part_start, plan.row_part)
+
+  o32, lse32 = map(np.asarray, run(False))
+  bits, lse16, scale = map(np.asarray, run(True))
+  assert bits.dtype == jnp.bfloat16 and scale.shape == (len(lens), plan.num_splits, 2, hp)
+  o16 = bits.view(np.float16)
+  written = [(row, split) for segs in segments(plan, lens) for row, _, _, split in segs]
+  assert len(written) > len(lens)  # rows cut into several splits
+  for row, split in written:
+    want, want_scale = scaled_half_spec(o32[row, split, :heads])
+    np.testing.assert_array_equal(scale[row, split, :, :heads].T, want_scale)
+    np.testing.assert_array_equal(o16[row, split, :heads], want)
+    np.testing.assert_array_equal(lse16[row, split, :heads], lse32[row, split, :heads])
+  rows, splits = zip(*written)
+  if select:
+    assert np.isfinite(o16[rows, splits, :heads]).all()
+  assert (scale[rows, splits, :, :heads] > 2.0**16).any()  # o past float16's range
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_ring_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk):
+  """The per-split ring (one pass; with `chunk` the first of two passes) on
+  float16 partials and their scales gives, bit for bit, what it gives on
+  the same values as float32 (the scale a power of two: folded into the
+  weight, it rounds as the product would), and reads no dead split (NaN
+  bits and scales there)."""
+  from jaxkv.kernels.mla_decode.merge import build_merge
+
+  rng = np.random.default_rng(5)
+  batch, splits, heads = 4, 7, 64
+  o = rng.standard_normal((batch, splits, heads, 512)).astype(np.float32)
+  o *= 10.0 ** rng.uniform(-3, 5, size=(batch, splits, heads, 1))
+  o16, scale = scaled_half_spec(o)
+  o_back = (o16.astype(np.float32).reshape(batch, splits, heads, 2, 256)
+            * scale[..., None]).reshape(o.shape)
+  lse = (rng.standard_normal((batch, splits, heads)) * 3).astype(np.float32)
+  live = np.array([splits, 1, 0, 4])
+  dead = np.arange(splits)[None, :] >= live[:, None]
+  bits = np.where(dead[..., None, None], np.float16(np.nan), o16).view(jnp.bfloat16)
+  scale_in = np.where(dead[..., None, None], np.nan, np.moveaxis(scale, -1, 2))
+  o_back = np.where(dead[..., None, None], np.nan, o_back)
+  lse_in = np.where(dead[..., None], np.nan, lse)
+  bounds = np.minimum(np.arange(splits + 1)[None, :], live[:, None]).astype(np.int32)
+  seq_lens = jnp.asarray(live * BS - 5, jnp.int32)
+  common = dict(batch=batch, num_splits=splits, heads_padded=heads, dv=512, max_tokens=30 * BS,
+                out_dtype=jnp.float32 if chunk else jnp.bfloat16, interpret=FAST, chunk=chunk)
+  got = build_merge(f16_partials=True, **common)(
+      seq_lens, jnp.asarray(bounds), jnp.asarray(bits), jnp.asarray(lse_in),
+      jnp.asarray(scale_in, jnp.float32))
+  want = build_merge(**common)(seq_lens, jnp.asarray(bounds), jnp.asarray(o_back),
+                               jnp.asarray(lse_in))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  assert np.isfinite(np.asarray(got[0], np.float32)).all()
+
+
+def test_float16_partials_end_to_end_past_float16_range():
+  """The whole call (kernel, then the ring merge) with float16 partials, the
+  default where the ring merges, on values up to ~1e5: finite and within
+  bf16 tolerance of the reference in "select"; in "multiply" on a poisoned
+  cache, NaN in the same elements as with float32 partials."""
+  from jaxkv.kernels.mla_decode.wrapper import _mla_decode
+
+  seq_lens = [4 * BS + 9, 0, 2 * BS - 3, 3 * BS, BS + 1]
+  q, cache, table, lens = problem(31, seq_lens, 64)
+  cache = varied_cache(cache, table, 31)
+  config = MLADecodeConfig(num_splits=3, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=4)
+
+  def run(c, select, f16):
+    return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+                       plan, sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64,
+                       q_regs=0, f16_partials=f16)
+
+  got = run(cache, True, None)
+  assert np.abs(np.asarray(got[0], np.float32)).max() > 65504
+  assert_close(got, run_reference(q, cache, table, lens))
+  poisoned, _ = poison(cache, table, lens)
+  nan16, nan32 = (np.isnan(np.asarray(run(poisoned, False, f)[0], np.float32))
+                  for f in (None, False))
+  assert nan32.any()
+  np.testing.assert_array_equal(nan16, nan32)
+
+
+def test_float16_partials_lower_for_hopper():
+  """The compiled decode kernel with float16 partials (the stage's staged
+  store, from both ring layouts) and the ring merges that read them, one pass
+  and the first of two, lower for CUDA."""
+  from jaxkv.kernels.mla_decode import kernel, merge
+
+  batch, hp, parts, splits, max_blocks = 2, 128, 4, 3, 8
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  for kv_swizzle, q_heads in ((128, 72), (64, 128)):
+    args = (jax.ShapeDtypeStruct((batch, q_heads, 576), jnp.bfloat16),
+            jax.ShapeDtypeStruct((16, 64, 576), jnp.bfloat16),
+            i32(batch, max_blocks), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1),
+            i32(batch))
+    decode = kernel.build_kernel(
+        batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits, block_size=64,
+        sm_scale=SCALE, select=True, interpret=None, kv_swizzle=kv_swizzle, q_heads=q_heads,
+        f16_partials=True)
+    text = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "wgmma.mma_async" in text
+  o, lse, scale = jax.eval_shape(decode, *args)
+  assert o.dtype == jnp.bfloat16 and scale.shape == (batch, splits, 2, hp)
+  for chunk in (None, 2):
+    combine = merge.build_merge(
+        batch=batch, num_splits=splits, heads_padded=hp, dv=512, max_tokens=max_blocks * 64,
+        out_dtype=jnp.float32 if chunk else jnp.bfloat16, interpret=None, chunk=chunk,
+        f16_partials=True)
+    text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, f32(*lse.shape),
+                                  f32(*scale.shape)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
