@@ -37,9 +37,12 @@ the query's first latent channels in registers for its QK. KV bytes are
 read once per head group. Only the last block of a segment can be partial:
 it is peeled out of the loop and alone pays for masking.
 
-Each segment's result is stored straight from registers to GMEM: its
-partial result (float32, normalised, with its natural-log LSE), which the
-merge combines with the row's other splits into the output. Where the plan's
+Each segment's result is its partial result (normalised, with its
+natural-log LSE), which the merge combines with the row's other splits into
+the output: float32 stored from registers, or with `f16_partials` float16
+scaled by a power of two per row and channel half, staged in the consumer's
+value half of the segment's last KV stage and stored by TMA (that stage is
+released once the copy has read it). Where the plan's
 parts are longer than its rows (`finish_rows`), a segment that covers its
 whole row (the row's only split) is the row's result instead: it goes to the
 output in bf16 with its LSE (from registers), and the merge does not touch it.
@@ -107,8 +110,8 @@ def build_kernel(
   """Builds the kernel call.
 
   Returns a function `(q, cache, block_table, seq_lens, row_start, part_rows,
-  part_start, row_part) -> (o, lse)`, and with `finish_rows` `-> (o, lse,
-  out, lse_out)`, with q `[batch, heads_padded, 576]` bf16, cache
+  part_start, row_part) -> (o, lse)`, with `f16_partials` `-> (o, lse,
+  scale)`, and with `finish_rows` also `out, lse_out` last, with q `[batch, heads_padded, 576]` bf16, cache
   `[num_blocks, block_size, 576]` bf16, block_table `[batch, max_blocks]`
   int32, seq_lens `[batch]` int32 (clipped here to the table), row_start
   `[batch + 1]` int32 (each row's first tile in the step's concatenation of
@@ -170,6 +173,18 @@ def build_kernel(
   `heads_padded` rows, but in the last head group only its real rows are
   written (`layout.store_head_rows`: compiled, in whole warps' 16 rows),
   and the merge reads no others. None: q is padded already.
+
+  `f16_partials` (with `partial_cols` None): each consumer stores its half
+  of a segment's partial O as `layout.scaled_half` gives it, float16 (its
+  bits in a bfloat16 array) divided by the least power of two at or above
+  the half row's largest |o|, so nothing overflows float16 and NaN stays
+  NaN; the scale is a third output (`layout.split_outputs(f16=True)`). The
+  half goes through the consumer's own value half of the segment's last
+  stage (the other consumer's QK of that tile, its only other reader, was
+  done before its P came) and out by one TMA copy of whole rows; the stage
+  is released once the copy has read it. Half the partials' bytes for the
+  kernel and the merge; from registers, float16 stores cover half of each
+  32-byte sector and bought nothing (kernels/mla_decode/NOTES.md).
 
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
