@@ -17,9 +17,8 @@ bitwise), ":padded" pads a query of fewer heads than its head groups to
 64 per group in XLA and slices the result (the build before the unpadded
 query; checked bitwise);
 ":f32p" stores the split partials in float32 (the default where the
-per-split ring merges in one pass stores them in scaled float16; checked
-within the float16 rounding), ":f16p" in float16 wherever the per-split ring
-merges;
+per-split ring merges stores them in scaled float16; checked within the
+float16 rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -174,8 +173,8 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # "mdirect" stores the merge's bf16 output from registers, not by TMA,
 # "nopack" merges rows of 8-32 heads one row per CTA, not stacked,
 # "f16p" stores the partials in scaled float16 by TMA through the segment's
-# last stage wherever the per-split ring merges (the default where it
-# merges in one pass; not with the stacked merge), "f32p" in float32.
+# last stage wherever the per-split ring merges (the default there, but for
+# rows of 8-32 heads; never with the stacked merge), "f32p" in float32.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
@@ -327,13 +326,19 @@ def check_same_result(rng, names):
   # 16 and 96 heads: the query unpadded and, on 24 SMs' plan (more parts
   # than rows: no rows finished in the kernel), the result stored by the
   # merge at its own heads ("padded" pads and slices in XLA instead).
-  for heads, sw, qr, sms in ((64, 128, 0, 6), (128, 64, 128, 6), (16, 128, 0, 24), (96, 64, 128, 24)):
+  # The last: 64 splits on 100 SMs' plan, the 4097-token row cut past 32
+  # splits, so the per-split ring merges in two passes.
+  for heads, sw, qr, sms, splits in ((64, 128, 0, 6, 4), (128, 64, 128, 6, 4), (16, 128, 0, 24, 4),
+                                     (96, 64, 128, 24, 4), (64, 64, 0, 100, 64)):
     cache = jax.random.normal(jax.random.key(heads), (200, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.key(heads + 1), (len(lens_np), heads, D), jnp.bfloat16)
     table = table_for(rng, lens_np, 200, 70)
     poisoned = poison_tails(cache, table, lens_np)
-    cfg = MLADecodeConfig(num_splits=4, min_chunk_blocks=1, kv_swizzle=sw, q_regs=qr)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, kv_swizzle=sw, q_regs=qr)
     plan = mla_decode_plan(lens, num_heads=heads, config=cfg, num_sms=sms)
+    if splits > 4:
+      print(f"{heads} heads: {plan.num_splits} splits (two passes past "
+            f"{merge_tiling.MAX_SPLITS}), {np.asarray(plan.bounds)[7].tolist()[:3]}...")
     run = lambda c, select, **kw: _mla_decode(q, c, table, lens, plan, sm_scale=D**-0.5, select=select,
                                               interpret=None, kv_swizzle=sw, q_regs=qr, **kw)
     for c, name in ((cache, "clean"), (poisoned, "poisoned")):

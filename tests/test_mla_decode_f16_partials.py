@@ -118,29 +118,38 @@ def test_ring_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk):
   assert np.isfinite(np.asarray(got[0], np.float32)).all()
 
 
-def test_float16_partials_end_to_end_past_float16_range():
-  """The whole call (kernel, then the ring merge) with float16 partials, the
-  default where the ring merges, on values up to ~1e5: finite and within
-  bf16 tolerance of the reference in "select"; in "multiply" on a poisoned
-  cache, NaN in the same elements as with float32 partials."""
+@pytest.mark.parametrize("seq_lens, splits, sms, poisoned", [
+    ([4 * BS + 9, 0, 2 * BS - 3, 3 * BS, BS + 1], 3, 4, True),  # the ring in one pass
+    ([33 * BS - 5, 0], 33, 34, False),  # more than 32 splits: two passes
+])
+def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, poisoned):
+  """The whole call (kernel, then the ring merge in one pass or two) with
+  float16 partials, the default where the ring merges, on values up to
+  ~1e5: finite and within bf16 tolerance of the reference in "select"; in
+  "multiply" on a poisoned cache (one pass: the two passes' first reads the
+  same partials through the same ring step), NaN in the same elements as
+  with float32 partials."""
+  from jaxkv.kernels.mla_decode import merge_tiling
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
-  seq_lens = [4 * BS + 9, 0, 2 * BS - 3, 3 * BS, BS + 1]
   q, cache, table, lens = problem(31, seq_lens, 64)
   cache = varied_cache(cache, table, 31)
-  config = MLADecodeConfig(num_splits=3, min_chunk_blocks=1, split_overhead_tiles=0)
-  plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=4)
+  config = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=sms)
+  assert (plan.num_splits > merge_tiling.MAX_SPLITS) == (splits > 32)
 
   def run(c, select, f16):
     return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
                        plan, sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64,
-                       q_regs=0, f16_partials=f16)
+                       q_regs=0, f16_partials=f16, grouped=False)  # the per-split ring
 
   got = run(cache, True, None)
   assert np.abs(np.asarray(got[0], np.float32)).max() > 65504
   assert_close(got, run_reference(q, cache, table, lens))
-  poisoned, _ = poison(cache, table, lens)
-  nan16, nan32 = (np.isnan(np.asarray(run(poisoned, False, f)[0], np.float32))
+  if not poisoned:
+    return
+  bad, _ = poison(cache, table, lens)
+  nan16, nan32 = (np.isnan(np.asarray(run(bad, False, f)[0], np.float32))
                   for f in (None, False))
   assert nan32.any()
   np.testing.assert_array_equal(nan16, nan32)

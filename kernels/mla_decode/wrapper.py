@@ -194,18 +194,15 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   packed = pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2
   # The partials in scaled float16, staged through the segment's last KV
   # stage and stored by TMA, where the per-split ring merges them in one
-  # pass (half their bytes on both sides: 1.5-4.7% faster on the H200 at
-  # batch 4-200 and 64-128 heads, NOTES.md). The grouped and the stacked
+  # pass or two (half their bytes on both sides: 1.5-4.7% faster on the H200
+  # at batch 1-200 and 64-128 heads, NOTES.md). The grouped and the stacked
   # merges read float32; so do rows of 8-32 heads whichever merge takes them
-  # (the stacked merge's A/B knobs compare like with like), and the two-pass
-  # merge by default: faster with float16 on the H200 (1 x 64 x 128K, 3.5%)
-  # but not yet checked there, and in the interpreter the decode kernel and
-  # both passes in one jit hung (NOTES.md). `f16_partials` True / False
-  # forces them on where they can run / off.
+  # (the stacked merge's A/B knobs then compare like with like).
+  # `f16_partials` True / False forces them on where they can run / off.
   few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
                                 num_splits=plan.num_splits) > 1
   if f16_partials is None:
-    f16_partials = not (group or few_heads or plan.num_splits > _tiling.MAX_SPLITS)
+    f16_partials = not (group or few_heads)
   elif f16_partials and (group or packed):
     raise ValueError("f16_partials: only where the per-split ring merges")
   call = _kernel.build_kernel(
