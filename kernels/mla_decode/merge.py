@@ -4,8 +4,9 @@
 every split slot of every row, written or not; with the balanced plan most
 rows use fewer slots than the plan reserves, and those reads cost as much as
 the live ones. Here one CTA per (row, head group, 64 value channels) loops
-over the row's live splits only: each split's [64, 64] float32 tile and its
-LSE come in by TMA through a ring of `STAGES` buffers (that many splits in
+over the row's live splits only: each split's [64, 64] tile (float32, or the
+decode kernel's scaled float16 with its scale: `build_merge(f16_partials=)`)
+and its LSE come in by TMA through a ring of `STAGES` buffers (that many splits in
 flight, so a row of many splits streams instead of waiting out one load per
 split), and the merged tile is stored in the output dtype: a 16-bit one
 through SMEM by one TMA copy (`build_merge(stage_out=)`, the default of
