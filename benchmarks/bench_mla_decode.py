@@ -291,10 +291,18 @@ ROUNDING_ONLY = {"nopack"}
 PARTIAL_ROUNDING = {"f16p", "f32p"}
 
 
+def _as_f32(got, want):
+  """Both results' (out, lse) as float32 arrays, and whether they have NaN in
+  the same elements."""
+  (o, l), (wo, wl) = [[np.asarray(x, np.float32) for x in r] for r in (got, want)]
+  return o, l, wo, wl, np.array_equal(np.isnan(o), np.isnan(wo)) and np.array_equal(
+      np.isnan(l), np.isnan(wl))
+
+
 def _close(got, want):
   """The same NaNs, out within one bf16 ulp, LSE within 1e-5."""
-  (o, l), (wo, wl) = [[np.asarray(x, np.float32) for x in r] for r in (got, want)]
-  if not (np.array_equal(np.isnan(o), np.isnan(wo)) and np.array_equal(np.isnan(l), np.isnan(wl))):
+  o, l, wo, wl, same_nans = _as_f32(got, want)
+  if not same_nans:
     return False
   fin = ~np.isnan(wo)
   return bool(np.all(np.abs(o[fin] - wo[fin]) <= 2**-7 * np.abs(wo[fin]) + 1e-6)
@@ -304,8 +312,8 @@ def _close(got, want):
 def _close_partials(got, want):
   """The same NaNs, out within 2e-3 of the default in norm and each element
   within 2^-9 of its row's largest |value| plus a bf16 ulp, LSE within 1e-5."""
-  (o, l), (wo, wl) = [[np.asarray(x, np.float32) for x in r] for r in (got, want)]
-  if not (np.array_equal(np.isnan(o), np.isnan(wo)) and np.array_equal(np.isnan(l), np.isnan(wl))):
+  o, l, wo, wl, same_nans = _as_f32(got, want)
+  if not same_nans:
     return False
   o, wo = np.nan_to_num(o), np.nan_to_num(wo)
   row_max = np.abs(wo).max(axis=-1, keepdims=True)

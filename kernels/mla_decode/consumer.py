@@ -149,8 +149,11 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scal
           0, n - 1, functools.partial(step, last=False), softmax_start(HALF)
       )
       acc, m_i, l_own = step(n - 1, carry, last=True)
+      slot = lax.rem(steps + n - 1, NUM_STAGES)
       with jax.named_scope("epilogue"):
-        finish(row, split, whole, acc, m_i, l_own, lax.rem(steps + n - 1, NUM_STAGES))
+        finish(row, split, whole, acc, m_i, l_own, slot)
+      if launch.f16_partials:  # the stage `tile` kept for the staged partial
+        plgpu.barrier_arrive(free_bar.at[slot])
 
     return steps + n
 
@@ -198,8 +201,6 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scal
 
     if whole is None:
       partial()
-      if launch.f16_partials:
-        plgpu.barrier_arrive(free_bar.at[slot])
       return
 
     @pl.when(whole)
@@ -211,8 +212,6 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scal
         lse_out_ref[row, heads] = lse
 
     pl.when(~whole)(partial)
-    if launch.f16_partials:
-      plgpu.barrier_arrive(free_bar.at[slot])
 
   seesaw_begin(wg, bars)
   lax.fori_loop(cta.row_lo, cta.row_hi, consume_row, jnp.int32(0))

@@ -111,7 +111,8 @@ def build_kernel(
 
   Returns a function `(q, cache, block_table, seq_lens, row_start, part_rows,
   part_start, row_part) -> (o, lse)`, with `f16_partials` `-> (o, lse,
-  scale)`, and with `finish_rows` also `out, lse_out` last, with q `[batch, heads_padded, 576]` bf16, cache
+  scale)`, and with `finish_rows` also `out, lse_out` last, with q `[batch,
+  heads_padded, 576]` bf16, cache
   `[num_blocks, block_size, 576]` bf16, block_table `[batch, max_blocks]`
   int32, seq_lens `[batch]` int32 (clipped here to the table), row_start
   `[batch + 1]` int32 (each row's first tile in the step's concatenation of

@@ -232,25 +232,25 @@ def split_outputs(batch, num_splits, heads_padded, partial_cols=None, *, f16=Fal
   heads_padded / 64, num_splits, 64]` (`merge_tiling.wide_partials` of the first
   two).
 
-  With `f16`, O holds float16 bits in a bfloat16 array (`scaled_half`'s
-  values: staged through the bf16 KV ring, whose SMEM cannot be viewed as
-  float16), and a third output holds their scales, float32 `[batch,
-  num_splits, 2, heads_padded]` by channel half (with `partial_cols`
-  `[batch, heads_padded / 64, 2, num_splits, 64]`)."""
+  With `f16` (not with `partial_cols`), O holds float16 bits in a bfloat16
+  array (`scaled_half`'s values: staged through the bf16 KV ring, whose SMEM
+  cannot be viewed as float16), and a third output holds their scales,
+  float32 `[batch, num_splits, 2, heads_padded]` by channel half."""
+  assert not (f16 and partial_cols)
   groups = heads_padded // HEAD_TILE
   if partial_cols is None:
     o_shape = (batch, num_splits, heads_padded, LATENT)
     lse_shape = (batch, num_splits, heads_padded)
-    scale_shape = (batch, num_splits, 2, heads_padded)
   else:
     o_shape = (batch, LATENT // partial_cols, groups, num_splits, HEAD_TILE, partial_cols)
     lse_shape = (batch, groups, num_splits, HEAD_TILE)
-    scale_shape = (batch, groups, 2, num_splits, HEAD_TILE)
   outs = (
       jax.ShapeDtypeStruct(o_shape, jnp.bfloat16 if f16 else jnp.float32),
       jax.ShapeDtypeStruct(lse_shape, jnp.float32),
   )
-  return (*outs, jax.ShapeDtypeStruct(scale_shape, jnp.float32)) if f16 else outs
+  if not f16:
+    return outs
+  return (*outs, jax.ShapeDtypeStruct((batch, num_splits, 2, heads_padded), jnp.float32))
 
 
 def scaled_half(o):
@@ -271,13 +271,6 @@ def scaled_half(o):
   scaled = (o * jax.lax.broadcast_in_dim(inv, o.shape, [0])).astype(jnp.float16)
   return (jax.lax.bitcast_convert_type(scaled, jnp.bfloat16),
           jax.lax.bitcast_convert_type(up, jnp.float32))
-
-
-def unscaled(bits, scale):
-  """`scaled_half`'s inverse up to the float16 rounding: float32 `bits`
-  (bfloat16 holding float16) times `scale` (broadcast over the last axis)."""
-  o = jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
-  return o * scale
 
 
 def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None,

@@ -303,7 +303,8 @@ def build_merge(
       pl.when(k < n)(lambda k=k: fetch(k))
 
     step = functools.partial(ring_step, bar=bar, lse_buf=lse_buf, o_buf=o_buf, stages=stages,
-                             n=n, fetch=fetch, scale_buf=scales and scales[1])
+                             n=n, fetch=fetch,
+                             scale_buf=None if scales is None else scales[1])
 
     # A live split has a finite LSE (it read at least one slot), so the
     # first one sets m finite and alpha never sees -inf - -inf.

@@ -214,10 +214,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   )
   o, lse, *finished = call(q, cache, block_table, seq_lens, plan.row_start,
                        plan.part_rows, plan.part_start, plan.row_part)
-  scale = ()
-  if f16_partials:
-    scale, *finished = finished
-    scale = (scale,)
+  # With float16 partials their scales come first.
+  scale, finished = (finished[:1], finished[1:]) if f16_partials else ((), finished)
   merge_args = dict(
       batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
       max_tokens=max_blocks * block_size, interpret=interpret,
