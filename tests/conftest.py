@@ -79,3 +79,20 @@ def h100_pcie(monkeypatch):
   from jaxkv.kernels import _common
 
   monkeypatch.setattr(_common, "first_device", _H100PCIe)
+
+
+# The files whose tests run interpreted kernels, slowest first: with `-n 2` the
+# quick tests then come last and even out the two workers' ends, instead of one
+# worker running a long kernel test alone while the other is idle.
+_INTERPRETED_FIRST = (
+    "test_sparse_mla_decode.py",
+    "test_mla_decode.py",
+    "test_mla_decode_merge.py",
+    "test_sparse_piece_merge.py",
+    "test_mla_decode_f16_partials.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(_INTERPRETED_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept

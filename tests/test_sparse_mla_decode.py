@@ -134,8 +134,10 @@ def test_cluster_merge(heads, mode, splits):
   barrier): the reference's result, and the combine kernel's within a bf16
   rounding with the same LSE. Row 1 has no valid index; row 0's last split
   none (at 96 heads the last head group's real rows are stored alone; at 16
-  heads the queries are float32, and so is the result)."""
-  q, cache, idx = inputs(40 + splits, 3, heads, 64 * splits, dead_rows=(1,))
+  heads the queries are float32, and so is the result). Clusters of 8 run
+  rows 0 and 1 alone, for the interpreter's time."""
+  batch = 2 if splits == 8 else 3
+  q, cache, idx = inputs(40 + splits, batch, heads, 64 * splits, dead_rows=(1,))
   idx = idx.at[0, -64:].set(-1)
   if heads == 16:
     q = q.astype(jnp.float32)
@@ -143,10 +145,10 @@ def test_cluster_merge(heads, mode, splits):
   # loads are ordered by the cluster barrier alone.)
   out, lse = run_decode(q, cache, idx, mode, splits, interpret=INTERPRET if splits == 2 else FAST,
                   cluster_merge=True)
-  assert out.shape == (3, heads, 512) and out.dtype == q.dtype and lse.shape == (3, heads)
+  assert out.shape == (batch, heads, 512) and out.dtype == q.dtype and lse.shape == (batch, heads)
   assert (np.asarray(out[1], np.float32) == 0).all() and (np.asarray(lse[1]) == -np.inf).all()
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
-  live = np.asarray([0, 2])
+  live = np.asarray([0, 2][:batch - 1])
   check(out[live], lse[live], ref_out[live], ref_lse[live])
   comb_out, comb_lse = run_decode(q, cache, idx, mode, splits, interpret=FAST, cluster_merge=False)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(comb_out, np.float32),
