@@ -9,7 +9,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
       [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
-      [--combine kernel xla] [--parts auto|off|N ...]
+      [--combine kernel xla] [--parts auto|off|N ...] [--f16-partials 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -36,6 +36,11 @@ check with each. `--parts` times each one-split variant with
 device's SMs over the head groups); a stream's result is compared with the
 first variant's (within a bf16 rounding, NaN in the same places), and the NaN
 and outside-the-cache checks also run with the rows streamed in 6 parts.
+`--f16-partials` times each variant whose partials a merge after the kernel
+reads with `SparseMLADecodeConfig.f16_partials` set to each value, compares
+the float16 partials' result with the float32 ones' (within a bf16
+rounding, NaN in the same places), and runs the NaN and outside-the-cache
+checks with each.
 """
 
 from __future__ import annotations
@@ -116,6 +121,15 @@ def _same_result(a, b) -> bool:
           and np.allclose(la, lb, rtol=1e-5, atol=1e-5, equal_nan=True))
 
 
+def _merged_after(config, batch, heads, topk) -> bool:
+  """Whether a call with `config` leaves partials to a merge after the kernel
+  (`f16_partials` applies): several splits, cut rows or the stream, not
+  merged in clusters."""
+  cut = rows_to_cut(config, batch=batch, num_heads=heads, topk=topk)
+  return not merges_in_cluster(config, batch=batch, num_heads=heads, cut=cut) and (
+      config.num_splits > 1 or bool(cut.rows) or bool(cut.parts))
+
+
 def _pallas_config(splits, batch, heads, topk=TOPK, cut_rows=None, pieces=None):
   """The kernel (not the XLA path) with `splits`, or the default split count if
   0, and with one split `cut_rows` (None: the config's; else at most the batch)
@@ -174,6 +188,9 @@ def main(argv=None) -> int:
   parser.add_argument("--combine", nargs="+", default=None, choices=["kernel", "xla"],
                       help="time each variant with split or piece partials merged by the"
                       " merge kernel and by XLA (default: the config's)")
+  parser.add_argument("--f16-partials", type=int, nargs="+", default=None, choices=[0, 1],
+                      help="time each variant whose partials are merged after the kernel with"
+                      " float32 (0) and float16 (1) partials (default: the config's)")
   args = parser.parse_args(argv)
   cut_rows = {"auto": None, "off": 0}.get(args.cut_rows)
   if cut_rows is None and args.cut_rows != "auto":
@@ -221,15 +238,19 @@ def main(argv=None) -> int:
     parts = [None]
     if cfg.num_splits == 1 and cfg.cut_rows is None and cfg.cluster_merge is None:
       parts = [_parts(v, heads) for v in args.parts]
-    variants = [(mode, qr, so, ph, cm, cb, pt) for so in stage_out for qr in q_regs
+    f16s = [cfg.f16_partials] if args.f16_partials is None else [
+        bool(v) for v in args.f16_partials]
+    variants = [(mode, qr, so, ph, cm, cb, pt, fp) for so in stage_out for qr in q_regs
                 for mode in args.modes for ph in pads for cm in merges for cb in combines
-                for pt in parts]
+                for pt in parts for fp in f16s]
     outs = {}
-    for mode, qr, so, ph, cm, cb, pt in variants:
+    for mode, qr, so, ph, cm, cb, pt, fp in variants:
       vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm, combine=cb,
-                                 parts=pt)
+                                 parts=pt, f16_partials=fp)
       if pt and pt > batch:
         continue
+      if fp != f16s[0] and (ph or not _merged_after(vcfg, batch, heads, topk)):
+        continue  # no partials for a merge after the kernel: the same call
       if ph:
         fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: _sparse_mla_decode(
             q, c, i, sm_scale=SCALE, select=mode == "select", num_splits=vcfg.num_splits,
@@ -242,7 +263,16 @@ def main(argv=None) -> int:
       out, lse = fn(q, cache, idx)
       e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
       good = e_out < 1e-2 and e_lse < 1e-4 and bool(jnp.isfinite(out).all())
-      if pt != parts[0]:
+      if fp != f16s[0]:
+        close = _same_result((np.asarray(out, np.float32), np.asarray(lse)),
+                             outs[mode, qr, so, ph, cm, cb, pt, f16s[0]])
+        print(f"b{batch} h{heads} {mode} parts {pt}: float16 partials {fp} and {f16s[0]}:"
+              f" results agree: {close}", flush=True)
+        good &= close
+      outs[mode, qr, so, ph, cm, cb, pt, fp] = (np.asarray(out, np.float32), np.asarray(lse))
+      if fp != f16s[0]:
+        pass  # (compared with its float32 partials' result above)
+      elif pt != parts[0]:
         close = _same_result((np.asarray(out, np.float32), np.asarray(lse)),
                              outs[mode, qr, so, ph, cm, cb])
         print(f"b{batch} h{heads} {mode} parts {pt} and {parts[0]}: results agree: {close}",
@@ -252,7 +282,8 @@ def main(argv=None) -> int:
         print(f"b{batch} h{heads} parts {pt}: {cut_pt}", flush=True)
       else:
         outs[mode, qr, so, ph, cm, cb] = (np.asarray(out, np.float32), np.asarray(lse))
-      first = pt == parts[0]  # (the comparisons below are of the first parts' results)
+      # (The comparisons below are of the first parts' and partials' results.)
+      first = pt == parts[0] and fp == f16s[0]
       if first and cm is not None and (mode, qr, so, ph, not cm, cb) in outs:
         close = _same_result(outs[mode, qr, so, ph, cm, cb], outs[mode, qr, so, ph, not cm, cb])
         print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
@@ -281,7 +312,8 @@ def main(argv=None) -> int:
                    f"{mode}/qr{qr}{'/so' if so else ''}{'/pad' if ph else ''}"
                    f"{'' if cm is None else '/cm' if cm else '/xc'}"
                    f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}"
-                   f"{'' if len(parts) == 1 else f'/p{pt}'}", t * 1e6,
+                   f"{'' if len(parts) == 1 else f'/p{pt}'}"
+                   f"{'/f16p' if fp and len(f16s) > 1 else ''}", t * 1e6,
                    t_kernel * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
@@ -309,7 +341,9 @@ def main(argv=None) -> int:
   streams = [6] if any(v not in ("auto", "off") for v in args.parts) else []
   checks += [(base.q_regs, base.stage_out, None, False, cb, 6) for cb in
              (args.combine or [base.combine]) for _ in streams]
-  for qr, so, cm, halves, cb, pt in checks:
+  f16_checks = [bool(v) for v in args.f16_partials or [base.f16_partials]]
+  checks = [(*c, fp) for c in checks for fp in f16_checks]
+  for qr, so, cm, halves, cb, pt, fp in checks:
     # (A staged result needs one split: the check then runs with one; a merge
     # by clusters or not, with 8 splits (staged or not), or with 10 of the 16
     # rows cut in halves, rows 6-7 (with -1s in their first halves) among them.)
@@ -322,6 +356,9 @@ def main(argv=None) -> int:
       cfg = dataclasses.replace(cfg, cut_rows=min(cut_rows, 16), pieces=args.pieces)
     if pt:
       cfg = dataclasses.replace(cfg, num_splits=1, cut_rows=None, pieces=None, parts=pt)
+    cfg = dataclasses.replace(cfg, f16_partials=fp)
+    if fp != f16_checks[0] and not _merged_after(cfg, 16, 64, TOPK):
+      continue  # the same call as with the first value
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
     clean, _ = f(cache, "select")
     sel, _ = f(poisoned, "select")
@@ -332,7 +369,8 @@ def main(argv=None) -> int:
     ok &= nan_ok
     print(f"NaN poisoning (q_regs {qr}, stage_out {so}, cut_rows {cfg.cut_rows},"
           f" pieces {cfg.pieces}, combine {cfg.combine},"
-          f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}, parts {cfg.parts}):"
+          f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}, parts {cfg.parts},"
+          f" f16_partials {cfg.f16_partials}):"
           f" select"
           f" bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")
@@ -349,6 +387,8 @@ def main(argv=None) -> int:
   cfg = _pallas_config(args.splits or (1 if cut_rows else 0), 16, 64, cut_rows=cut_rows,
                        pieces=args.pieces)
   cfgs = [cfg] + [SparseMLADecodeConfig(parts=pt) for pt in streams]
+  cfgs = [dataclasses.replace(c, f16_partials=fp) for c in cfgs for fp in f16_checks
+          if fp == f16_checks[0] or _merged_after(c, 16, 64, TOPK)]
   for cfg in cfgs:
     for mode in args.modes:
       f = lambda i, mode=mode, cfg=cfg: sparse_mla_decode(q, poisoned, i, sm_scale=SCALE,
@@ -356,7 +396,8 @@ def main(argv=None) -> int:
       same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(f(odd), f(idx)))
       ok &= same
       print(f"ids outside the cache ({mode}, {cfg.num_splits} splits, cut_rows {cfg.cut_rows},"
-            f" pieces {cfg.pieces}, parts {cfg.parts}): bit-equal to -1: {same}")
+            f" pieces {cfg.pieces}, parts {cfg.parts}, f16_partials {cfg.f16_partials}):"
+            f" bit-equal to -1: {same}")
 
   print("\nbatch heads  topk invalid mode/q_regs           us  kernel    TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")

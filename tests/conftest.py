@@ -89,6 +89,7 @@ _INTERPRETED_FIRST = (
     "test_mla_decode.py",
     "test_mla_decode_merge.py",
     "test_sparse_piece_merge.py",
+    "test_sparse_f16_partials.py",
     "test_mla_decode_f16_partials.py",
 )
 

@@ -97,3 +97,14 @@ def segments(plan, seq_lens):
         segs.append((row, lo, hi - lo, p - row_part[row]))
     out.append(segs)
   return out
+
+
+def scaled_half_spec(o):
+  """`layout.scaled_half` in NumPy, per 256-channel half of `o` `[..., 512]`
+  f32: (o / scale as float16, scale `[..., 2]`), scale the least power of two
+  at or above the half's largest finite |o| (1 where there is none)."""
+  halves = o.reshape(*o.shape[:-1], 2, 256)
+  mag = np.where(np.isfinite(halves), np.abs(halves), 0).max(axis=-1)
+  exp = np.ceil(np.log2(np.where(mag > 0, mag, 1.0)))
+  scale = np.where(mag > 0, 2.0**exp, 1.0).astype(np.float32)
+  return (halves / scale[..., None]).astype(np.float16).reshape(o.shape), scale

@@ -12,18 +12,18 @@ import pytest
 
 from jaxkv.kernels.mla_decode import MLADecodeConfig, mla_decode_plan
 
-from mla_problem import BS, FAST, RACES, SCALE, assert_close, poison, problem, run_reference, segments
-
-
-def scaled_half_spec(o):
-  """`layout.scaled_half` in NumPy, per 256-channel half of `o` `[..., 512]`
-  f32: (o / scale as float16, scale `[..., 2]`), scale the least power of two
-  at or above the half's largest finite |o| (1 where there is none)."""
-  halves = o.reshape(*o.shape[:-1], 2, 256)
-  mag = np.where(np.isfinite(halves), np.abs(halves), 0).max(axis=-1)
-  exp = np.ceil(np.log2(np.where(mag > 0, mag, 1.0)))
-  scale = np.where(mag > 0, 2.0**exp, 1.0).astype(np.float32)
-  return (halves / scale[..., None]).astype(np.float16).reshape(o.shape), scale
+from mla_problem import (
+    BS,
+    FAST,
+    RACES,
+    SCALE,
+    assert_close,
+    poison,
+    problem,
+    run_reference,
+    scaled_half_spec,
+    segments,
+)
 
 
 def varied_cache(cache, table, seed):

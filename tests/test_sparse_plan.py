@@ -192,6 +192,8 @@ def test_config_validation():
   # (The suite's runtime type checks answer first, with a TypeError.)
   with pytest.raises((TypeError, ValueError), match="stage_out"):
     SparseMLADecodeConfig(stage_out=1)
+  with pytest.raises((TypeError, ValueError), match="f16_partials"):
+    SparseMLADecodeConfig(f16_partials=1)
   for splits in (3, 16):
     with pytest.raises(ValueError, match="cluster_merge"):
       SparseMLADecodeConfig(num_splits=splits, cluster_merge=True)

@@ -273,6 +273,15 @@ def scaled_half(o):
           jax.lax.bitcast_convert_type(up, jnp.float32))
 
 
+def unscaled(bits, scale):
+  """The float32 partials that `split_outputs(f16=True)`'s O and scale hold:
+  `bits` `[..., heads, 512]` bfloat16 (float16 bits) times `scale` `[..., 2,
+  heads]` (each channel half's), in jnp (exact: a power of two)."""
+  o = jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+  halves = o.reshape(*o.shape[:-1], 2, HALF)
+  return (halves * jnp.swapaxes(scale, -1, -2)[..., None]).reshape(o.shape)
+
+
 def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None,
            cluster=(), cluster_names=()):
   """The launch of both MLA decode kernels: three warpgroups ("wg") per CTA.

@@ -95,6 +95,15 @@ class SparseMLADecodeConfig:
       the batch's top-k tiles laid end to end, a row cut between two runs
       merged afterwards (`piece_merge`). It needs `batch >= parts`. None:
       `wave_plan`'s choice; 0: never. Not with `cut_rows` or `cluster_merge`.
+    f16_partials: the split or piece partials that a merge after the kernel
+      reads (the combine kernel's or XLA's; not a cluster's, which stay
+      float32) go out in float16, each head row's channel half divided by the
+      least power of two at or above its largest finite value (so none
+      overflows), staged through the last tile's stage and stored by TMA:
+      half the partials' bytes written and read. The result differs from
+      float32 partials' by at most a float16 rounding of each partial (2^-11
+      relative), below the bf16 result's own. Off by default: not yet timed
+      on the H200 (NOTES.md).
   """
 
   num_splits: int = 1
@@ -106,6 +115,7 @@ class SparseMLADecodeConfig:
   cluster_merge: bool | None = None
   combine: str = "kernel"
   parts: int | None = None
+  f16_partials: bool = False
 
   def __post_init__(self):
     value = self.num_splits
@@ -119,6 +129,8 @@ class SparseMLADecodeConfig:
     check_choice("combine", self.combine, COMBINES)
     if not isinstance(self.stage_out, bool):
       raise ValueError(f"{self.stage_out=} must be a bool")
+    if not isinstance(self.f16_partials, bool):
+      raise ValueError(f"{self.f16_partials=} must be a bool")
     rows = self.cut_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
       raise ValueError(f"cut_rows={rows!r} must be None or an int >= 0")

@@ -16,6 +16,7 @@ from jaxkv.kernels.mla_decode.layout import (
     HEAD_TILE,
     NUM_STAGES,
     SLOT_HALF,
+    scaled_half,
     stage_head_group,
     store_head_rows,
 )
@@ -47,6 +48,7 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
   o_ref and lse_ref are the kernel's first two outputs and `more_refs` the
   others (`kernel.build_kernel`), GMEM.
   """
+  f16 = launch.f16_partials
   compiled, parts, cut_rows = launch.compiled, launch.parts, launch.cut_rows
   stage_out, num_tiles, b, g = launch.stage_out, launch.num_tiles, cta.b, cta.g
   heads, k_lat, xchg, free_bar = cta.heads, smem.k_lat, smem.xchg, smem.free_bar
@@ -126,11 +128,20 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
       if wg == 0:
         lse_ref[row, heads] = lse
 
-  def store_partial(o_dst, lse_dst, o, lse):
+  def store_partial(o_dst, lse_dst, o, lse, scale_dst=None, stage=None):
     # A last head group of fewer real heads stores their rows alone:
     # the combine reads no others.
-    store_head_rows(o_dst.at[heads, cols], o, g, head_groups=head_groups,
-                    tail_heads=tail_heads, compiled=compiled)
+    if f16:
+      # Scaled to float16 (`scaled_half`), with its scale from registers, and
+      # stored by TMA through our value half of the tile's `stage`, as a
+      # whole row's result is (`store_result`), in whole rows.
+      bits, scale = scaled_half(o)
+      scale_dst[wg, heads] = scale
+      stage_head_group(k_lat.at[stage, wg], bits, lambda rows: o_dst.at[rows, cols], g,
+                       heads=heads, head_groups=head_groups, tail_heads=tail_heads)
+    else:
+      store_head_rows(o_dst.at[heads, cols], o, g, head_groups=head_groups,
+                      tail_heads=tail_heads, compiled=compiled)
     if wg == 0:
       lse_dst[heads] = lse
 
@@ -147,12 +158,17 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
 
   seesaw_begin(wg, bars)
   if parts:
-    cut_o, cut_lse = more_refs
+    cut_o, cut_lse, *cut_scale = more_refs
 
     def consume_row(row, steps):
       lo, n = segment(row, cta.beg, cta.end, tiles=num_tiles)
       whole = (lo == 0) & (n == num_tiles)
-      acc, m_i, l_own = tiles(n, steps, hold=whole if stage_out else None)
+      # The last tile's stage is kept for what goes out through it: a whole
+      # row's staged result, a cut row's float16 piece.
+      hold = None
+      if stage_out or f16:
+        hold = (whole if stage_out else False) | (~whole if f16 else False)
+      acc, m_i, l_own = tiles(n, steps, hold=hold)
       plgpu.barrier_arrive(smem.q_free_bar)  # both QKs and PVs of the query are done
       l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=True)
       o, lse = softmax_finish(acc, m_i, l_i)
@@ -167,10 +183,16 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
           plgpu.barrier_arrive(free_bar.at[last])
 
       cut = jnp.where(tail, b - 1, b)
+      at = lambda: jnp.clip(cut, 0, parts - 2)
+
+      def store_piece(k):
+        store_partial(cut_o.at[at(), k], cut_lse.at[at(), k], o, lse,
+                      scale_dst=cut_scale[0].at[at(), k] if f16 else None, stage=last)
+        if f16:  # the copy has read the stage: the producer may refill it
+          plgpu.barrier_arrive(free_bar.at[last])
+
       for k, when in enumerate((~whole & ~tail, tail)):
-        pl.when(when)(lambda k=k: store_partial(
-            cut_o.at[jnp.clip(cut, 0, parts - 2), k],
-            cut_lse.at[jnp.clip(cut, 0, parts - 2), k], o, lse))
+        pl.when(when)(lambda k=k: store_piece(k))
       return steps + n
 
     lax.fori_loop(cta.row_lo, cta.row_hi, consume_row, jnp.int32(0))
@@ -181,18 +203,23 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
   l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=False)
   o, lse = softmax_finish(acc, m_i, l_i)
   whole, part = cta.whole, cta.part
+  # A split's or piece's last stage: no tile of the CTA's comes after it, so
+  # the producer refills it no more (float16 partials go out through it).
+  last = lax.rem(cta.n_tiles - 1, NUM_STAGES)
   if cut_rows:
-    cut_o, cut_lse = more_refs
+    cut_o, cut_lse, *cut_scale = more_refs
     pl.when(whole)(lambda: store_result(o, lse, l_i))
     if launch.cluster_merge:
       pl.when(~whole)(lambda: merge_in_cluster(cut_o.at[part], cut_lse.at[part], o, lse))
     else:
-      pl.when(~whole)(lambda: store_partial(cut_o.at[part, cta.piece], cut_lse.at[part, cta.piece],
-                                            o, lse))
+      pl.when(~whole)(lambda: store_partial(
+          cut_o.at[part, cta.piece], cut_lse.at[part, cta.piece], o, lse,
+          scale_dst=cut_scale[0].at[part, cta.piece] if f16 else None, stage=last))
   elif launch.cluster_merge:
     part_o, part_lse = more_refs
     merge_in_cluster(part_o.at[b], part_lse.at[b], o, lse)
   elif launch.direct:
     store_result(o, lse, l_i)
   else:
-    store_partial(o_ref.at[b, cta.split], lse_ref.at[b, cta.split], o, lse)
+    store_partial(o_ref.at[b, cta.split], lse_ref.at[b, cta.split], o, lse,
+                  scale_dst=more_refs[0].at[b, cta.split] if f16 else None, stage=last)

@@ -45,6 +45,7 @@ class Launch:
   parts: int
   stage_out: bool  # the kernel's own result of a whole row, staged
   stage_merged: bool  # a cluster's merged result, staged
+  f16_partials: bool  # partials for the merge after the kernel: float16, staged
 
   @property
   def direct(self) -> bool:

@@ -51,7 +51,9 @@ row, which the merge never uses). A bf16 result goes out by TMA from the
 last tile's stage (`stage_out`): from registers, two bf16 values per thread
 and row fill half of each 32-byte sector a warp store touches, which cost the
 kernel 4-5.5% at batch 128 on the H200. The f32 partials (two per thread and
-row: whole sectors) are stored from registers.
+row: whole sectors) are stored from registers; float16 partials
+(`f16_partials`, scaled) go out through the last tile's stage like the
+result.
 
 With `cluster_merge`, a row's splits (n = 2, 4 or 8), or a cut row's two
 halves (`cut_rows`, `pieces=2`; the whole rows' CTAs then go in pairs that merge
@@ -110,6 +112,7 @@ def build_kernel(
     pieces: int = 2,
     cluster_merge: bool = False,
     parts: int = 0,
+    f16_partials: bool = False,
 ):
   """Builds the kernel call.
 
@@ -182,6 +185,22 @@ def build_kernel(
   go to two more outputs, o `[parts - 1, 2, heads_padded, 512]` and lse
   `[parts - 1, 2, heads_padded]` f32, at index p - 1, for `piece_merge`.
   The cut rows of the first two outputs are left unwritten.
+
+  `f16_partials` (where partials are merged after the kernel: several splits,
+  `cut_rows` or `parts`, not `cluster_merge`): each consumer stores its half
+  of a partial in float16, divided by a power of two per head row
+  (`layout.scaled_half`: no finite value overflows), as bfloat16 bits
+  staged through its value half of the partial's last tile's stage and
+  stored by TMA, in whole rows (`layout.stage_head_group`); the stage is
+  released once the copy has read it. The partials' outputs are then those
+  of `layout.split_outputs(f16=True)`: O bf16 (float16 bits), LSE, and one
+  more, the scales, f32 `[..., 2, heads_padded]` by channel half. (A stage
+  row that a later tile leaves stale for an invalid id then holds a
+  partial's float16 bits, read as bf16: its score is masked and its weight
+  exactly 0; the bits of finite values within [-1, 1] are finite bf16 values
+  of at most 2^-7, and only a NaN or infinite partial, which "select" never
+  produces from finite slots, leaves a non-finite or huge one, as a staged
+  NaN result row does.)
   """
   assert topk % (TILE * num_splits) == 0
   assert cut_rows == 0 or (num_splits == 1 and 2 <= pieces <= topk // TILE
@@ -190,6 +209,7 @@ def build_kernel(
                        and 2 <= parts <= batch)
   assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not cut_rows) or (
       num_splits == 1 and cut_rows and pieces == 2 and (batch - cut_rows) % 2 == 0)
+  assert not f16_partials or (not cluster_merge and (parts or cut_rows or num_splits > 1))
   check_choice("q_regs", q_regs, Q_REGS)
   num_tiles = topk // (TILE * num_splits)  # per split, static
   dtype = jnp.bfloat16
@@ -217,7 +237,7 @@ def build_kernel(
       out_dtype=out_dtype, head_groups=heads_padded // HEAD_TILE, tail_heads=tail_heads,
       cut_rows=cut_rows, pieces=pieces,
       cluster_merge=cluster_merge, cluster_size=cluster_size, parts=parts,
-      stage_out=stage_out, stage_merged=stage_merged)
+      stage_out=stage_out, stage_merged=stage_merged, f16_partials=f16_partials)
 
   def sparse_mla_decode_kernel(
       q_ref,  # [batch, q_heads, 576] bf16, GMEM
@@ -227,7 +247,8 @@ def build_kernel(
       lse_ref,  # [batch, (num_splits,) out_heads] f32, GMEM
       *more_refs,  # cut_rows: [cut_rows, pieces, heads_padded, (512)] f32; cluster_merge:
       # [batch, num_splits, heads_padded, (512)] f32; parts: [parts - 1, 2,
-      # heads_padded, (512)] f32 (GMEM)
+      # heads_padded, (512)] f32; with f16_partials, the partials' scales
+      # last (GMEM)
   ):
     cta = cta_work(static, num_slots=cache_ref.shape[0])
 
@@ -321,14 +342,16 @@ def build_kernel(
   # explicit commit_smem or an mbarrier.
   result = (jax.ShapeDtypeStruct((batch, out_heads, LATENT), out_dtype),
             jax.ShapeDtypeStruct((batch, out_heads), jnp.float32))
+  f16 = dict(f16=f16_partials)
   if cluster_merge and not cut_rows:
     out_type = (*result, *split_outputs(batch, num_splits, heads_padded))
   elif parts:
-    out_type = (*result, *split_outputs(parts - 1, 2, heads_padded))
+    out_type = (*result, *split_outputs(parts - 1, 2, heads_padded, **f16))
   elif direct:
-    out_type = (*result, *(split_outputs(cut_rows, pieces, heads_padded) if cut_rows else ()))
+    out_type = (*result,
+                *(split_outputs(cut_rows, pieces, heads_padded, **f16) if cut_rows else ()))
   else:
-    out_type = split_outputs(batch, num_splits, heads_padded)
+    out_type = split_outputs(batch, num_splits, heads_padded, **f16)
   # With cluster_merge the splits (or two CTAs: two whole rows, or a cut
   # row's halves) are the cluster's axis, its CTAs side by side.
   rows = (batch + cut_rows) // 2 if cluster_merge and cut_rows else (

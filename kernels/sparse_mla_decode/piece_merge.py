@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkv.kernels._common import num_sms
 from jaxkv.kernels.mla_decode.layout import (
+    HALF,
     HEAD_TILE,
     LATENT,
     LOG2E,
@@ -61,7 +62,7 @@ def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = No
   return cols
 
 
-def weighted_merge(lses, parts, *, cols: int, select: bool):
+def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
   """`combine_splits` of a row tile's partials, in registers: `(result, LSE)`.
 
   Args:
@@ -74,6 +75,11 @@ def weighted_merge(lses, parts, *, cols: int, select: bool):
     select: the mask mode. In "multiply" (False) a NaN in a partial of no
       weight poisons its row, as the production merge's weight-0 product
       does; in "select" such a partial's tile is never used.
+    scales: None, or for each partial a function giving its `[64]` f32
+      scale (WGMMA rows): `parts` are then float16 values of the partials
+      divided by it (`layout.scaled_half`), and each tile's weight is
+      multiplied by it. A power of two: `w * scale` rounds as `o * scale`
+      would.
 
   Returns:
     the merged `[64, cols]` f32 tile (0 in a row of no live partial, even
@@ -84,7 +90,7 @@ def weighted_merge(lses, parts, *, cols: int, select: bool):
     m = jnp.maximum(m, lse())
   m_ref = jnp.where(m == -jnp.inf, 0.0, m)  # no live partial: every weight 0
   acc, _, l = softmax_start(cols)
-  for lse, part in zip(lses, parts):
+  for j, (lse, part) in enumerate(zip(lses, parts)):
     lse_j = lse()
     live = lse_j > -jnp.inf
     w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
@@ -92,7 +98,9 @@ def weighted_merge(lses, parts, *, cols: int, select: bool):
     keep = lax.broadcast_in_dim(live, o_j.shape, [0])
     if not select:
       keep = keep | jnp.isnan(o_j)
-    acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w, acc.shape, [0])
+    # (A piece of no weight takes scale 1: its scale is never a NaN's way in.)
+    w_o = w if scales is None else w * jnp.where(live, scales[j](), 1.0)
+    acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w_o, acc.shape, [0])
     l = l + w
   res, lse = softmax_finish(acc, m, l)
   return jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0), lse
@@ -102,10 +110,11 @@ def build_piece_merge(
     *, rows: int, pieces: int, heads_padded: int, out_heads: int, out_dtype, select: bool,
     interpret, first_row: int | None = None, cols: int | None = None,
     per_copy: int | None = None, stream: tuple[int, int, int] | None = None,
-    q_heads: int | None = None,
+    q_heads: int | None = None, scaled: bool = False,
 ):
   """Returns `(o, lse) -> (out, lse_out)`, or with `first_row` `(o, lse, out,
-  lse_out) -> (out, lse_out)` updating `out` and `lse_out` in place.
+  lse_out) -> (out, lse_out)` updating `out` and `lse_out` in place; with
+  `scaled`, the partials' scales follow lse: `(o, lse, scale, ...)`.
 
   Args:
     rows, pieces: o is `[rows, pieces, heads_padded, 512]` and lse `[rows,
@@ -135,6 +144,10 @@ def build_piece_merge(
     q_heads: the real heads where fewer than `out_heads` (a multiple of 8
       within the last head group): only their partial rows are read and
       their result rows written (None: `out_heads`).
+    scaled: o holds float16 partials as bfloat16 bits (`layout.scaled_half`,
+      `layout.split_outputs(f16=True)`), and scale `[rows, pieces, 2,
+      heads_padded]` f32 their scales by channel half: a CTA reads its
+      half's, on the LSE's barrier, and weights each tile by its scale.
   """
   head_groups = heads_padded // HEAD_TILE
   assert heads_padded % HEAD_TILE == 0 and 2 <= pieces <= MAX_PIECES
@@ -148,14 +161,21 @@ def build_piece_merge(
   # SMEM, which a short last head group's rows are not.
   per = (PIECES_PER_COPY if per_copy is None else per_copy) if tail_heads == HEAD_TILE else 1
 
-  def merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, o_buf, lse_buf, out_buf, lse_stage,
-                   o_bar, lse_bar):
+  def merge_kernel(o_ref, lse_ref, *refs):
+    scale_ref = scale_buf = None
+    if scaled:
+      scale_ref, *refs, scale_buf = refs
+    out_ref, lse_out_ref, o_buf, lse_buf, out_buf, lse_stage, o_bar, lse_bar = refs
     b, g, c = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("c")
     heads, chans = pl.ds(g * HEAD_TILE, HEAD_TILE), pl.ds(c * cols, cols)
 
     def merge_row(row):  # b's pieces into the result's row `row`
-      # The pieces' LSE (all 64 rows: 256 bytes a piece), then their tiles.
+      # The pieces' LSE (all 64 rows: 256 bytes a piece), and scaled, the
+      # scales of the channel half `chans` lie in; then their tiles.
       plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
+      if scaled:
+        half = lax.div(c * cols, HALF)
+        plgpu.copy_gmem_to_smem(scale_ref.at[b, :, half, heads], scale_buf, lse_bar)
 
       def fetch(first_head, n, at_once):  # the tiles' first n rows, `at_once` pieces a copy
         for j in range(0, pieces, at_once):
@@ -181,11 +201,19 @@ def build_piece_merge(
       def tile(j):  # piece j's tile, once it has landed
         if j % per == 0:
           plgpu.barrier_wait(o_bar.at[j])
-        return plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
+        o_j = plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
+        if scaled:
+          o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
+        return o_j
 
+      scales = None
+      if scaled:
+        scales = [lambda j=j: plgpu.load(scale_buf.at[j], layout=row_layout, optimized=False)
+                  for j in range(pieces)]
       res, lse = weighted_merge(
           [lambda j=j: log2_lse(j) for j in range(pieces)],
-          [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select)
+          [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select,
+          scales=scales)
       res = res.astype(out_dtype)
 
       stage_head_group(out_buf, res, lambda rows: out_ref.at[row, rows, chans], g,
@@ -207,12 +235,13 @@ def build_piece_merge(
       grid=(rows, head_groups, LATENT // cols),
       grid_names=("b", "g", "c"),
       scratch_types=[
-          plgpu.SMEM((pieces, HEAD_TILE, cols), jnp.float32),
+          plgpu.SMEM((pieces, HEAD_TILE, cols), jnp.bfloat16 if scaled else jnp.float32),
           plgpu.SMEM((pieces, HEAD_TILE), jnp.float32),
           plgpu.SMEM((HEAD_TILE, cols), out_dtype),
           plgpu.SMEM((HEAD_TILE,), jnp.float32),
           plgpu.Barrier(num_arrivals=1, num_barriers=pieces),
-          plgpu.Barrier(num_arrivals=1),
+          plgpu.Barrier(num_arrivals=2 if scaled else 1),  # the LSE (and scales)
+          *([plgpu.SMEM((pieces, HEAD_TILE), jnp.float32)] if scaled else []),
       ],
       compiler_params=plgpu.CompilerParams(approx_math=True),
       kernel_name="jaxkv_sparse_mla_decode_merge",
@@ -221,14 +250,16 @@ def build_piece_merge(
   # The partials with rows and pieces as one dimension (a free reshape): a
   # copy of several pieces' tiles is then a box of three dimensions.
   flat = lambda o: o.reshape(rows * pieces, heads_padded, LATENT)
+  n_in = 3 if scaled else 2  # o, lse (, scale)
   if first_row is None:
-    return lambda o, lse: call(flat(o), lse)
+    return lambda o, lse, *scale: call(flat(o), lse, *scale)
 
-  def merge_in_place(o, lse, out, lse_out):
+  def merge_in_place(o, lse, *rest):
+    scale, (out, lse_out) = rest[:n_in - 2], rest[n_in - 2:]
     assert first_row + rows <= out.shape[0] and out.shape[1:] == (out_heads, LATENT)
 
     def in_place(refs):
-      call(flat(o), lse, *refs)
+      call(flat(o), lse, *scale, *refs)
 
     return pl.run_state(in_place)((out, lse_out))
 

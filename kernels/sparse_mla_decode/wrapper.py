@@ -14,7 +14,13 @@ from jaxtyping import Array, Float, Shaped
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
 from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
 from jaxkv.kernels.mla_decode.combine import combine_splits
-from jaxkv.kernels.mla_decode.layout import HEAD_TILE, NUM_THREADS, query_rows, real_heads
+from jaxkv.kernels.mla_decode.layout import (
+    HEAD_TILE,
+    NUM_THREADS,
+    query_rows,
+    real_heads,
+    unscaled,
+)
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
 from jaxkv.kernels.sparse_mla_decode.config import (
     TILE,
@@ -124,6 +130,8 @@ def sparse_mla_decode(
         cluster_merge=cluster_merge,
         xla_combine=config.combine == "xla",
         parts=cut.parts,
+        f16_partials=config.f16_partials and not cluster_merge and (
+            config.num_splits > 1 or bool(cut.rows) or bool(cut.parts)),
     )
 
 
@@ -167,11 +175,12 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
                      "pad_heads", "cut_rows", "pieces", "cluster_merge", "xla_combine",
-                     "parts"),
+                     "parts", "f16_partials"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
     pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
+    f16_partials=False,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // HEAD_TILE) * HEAD_TILE
@@ -199,8 +208,13 @@ def _sparse_mla_decode(
       pieces=pieces,
       cluster_merge=cluster_merge,
       parts=parts,
+      f16_partials=f16_partials,
   )
   o, lse, *more = call(qp, rows, indices)
+  # With f16_partials the partials are float16 bits and their scales (one
+  # output more): the merge kernel reads them as they are, XLA's combine
+  # unscaled.
+  scaled = dict(scaled=f16_partials)
   if cluster_merge:  # the clusters merged the splits or halves: [b, heads or hp, 512], [b, ...]
     return real_heads(o, lse, heads)
   if parts:
@@ -216,7 +230,7 @@ def _sparse_mla_decode(
     merge = build_piece_merge(
         rows=parts - 1, pieces=2, heads_padded=heads_padded, out_heads=o.shape[1],
         out_dtype=o.dtype, select=select, interpret=interpret, first_row=0,
-        stream=(batch * tiles, parts, tiles), q_heads=q_heads)
+        stream=(batch * tiles, parts, tiles), q_heads=q_heads, **scaled)
     return real_heads(*merge(*more, o, lse), heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
     if not cut_rows:
@@ -228,27 +242,32 @@ def _sparse_mla_decode(
                              at=slice(batch - cut_rows, None))
     merge = build_piece_merge(
         rows=cut_rows, pieces=pieces, heads_padded=heads_padded, out_heads=o.shape[1],
-        out_dtype=o.dtype, select=select, interpret=interpret, first_row=batch - cut_rows)
+        out_dtype=o.dtype, select=select, interpret=interpret, first_row=batch - cut_rows,
+        **scaled)
     return real_heads(*merge(*more, o, lse), heads)
   # Each split's partial result: [b, s, hp, 512] f32, [b, s, hp] f32. In
   # "multiply", a split of -1s only that met a NaN null block poisons its
   # row, as in production kernels' merge.
   if xla_combine:
+    if f16_partials:
+      o = unscaled(o, *more)
     out, lse = combine_splits(o[:, :, :heads], lse[:, :, :heads], empty_nan=not select)
     return out.astype(q.dtype), lse
   merge = build_piece_merge(rows=batch, pieces=num_splits, heads_padded=heads_padded,
                             out_heads=q_heads, out_dtype=q.dtype, select=select,
-                            interpret=interpret)
-  return real_heads(*merge(o, lse), heads)
+                            interpret=interpret, **scaled)
+  return real_heads(*merge(o, lse, *more), heads)
 
 
 def _combine_in_xla(o, lse, more, *, heads, select, at, keep=slice(None)):
   """The cut rows' pieces (`more`: `[cuts, pieces, hp, 512]` and `[cuts,
-  pieces, hp]`; those at `keep`) merged by `combine_splits` and updated into
-  the kernel's result at rows `at` (a slice: the last rows; an index array:
-  the stream's cut rows) (`SparseMLADecodeConfig.combine="xla"`)."""
+  pieces, hp]`, and float16 pieces' scales; those at `keep`) merged by
+  `combine_splits` and updated into the kernel's result at rows `at` (a
+  slice: the last rows; an index array: the stream's cut rows)
+  (`SparseMLADecodeConfig.combine="xla"`)."""
   out, lse = real_heads(o, lse, heads)
-  cut_o, cut_lse = combine_splits(more[0][keep, :, :heads], more[1][keep, :, :heads],
+  pieces = more[0] if len(more) == 2 else unscaled(more[0], more[2])
+  cut_o, cut_lse = combine_splits(pieces[keep, :, :heads], more[1][keep, :, :heads],
                                   empty_nan=not select)
   # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
   # from taking the kernel's call into the update of its own output, where
