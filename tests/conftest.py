@@ -85,8 +85,9 @@ def h100_pcie(monkeypatch):
 # quick tests then come last and even out the two workers' ends, instead of one
 # worker running a long kernel test alone while the other is idle.
 _INTERPRETED_FIRST = (
-    "test_sparse_mla_decode.py",
+    "test_sparse_schedules.py",
     "test_mla_decode.py",
+    "test_sparse_mla_decode.py",
     "test_mla_decode_merge.py",
     "test_sparse_piece_merge.py",
     "test_sparse_f16_partials.py",
