@@ -399,6 +399,28 @@ def main(argv=None) -> int:
             f" pieces {cfg.pieces}, parts {cfg.parts}, f16_partials {cfg.f16_partials}):"
             f" bit-equal to -1: {same}")
 
+  # A -1's stage row is zero-filled, never what an earlier tile left there:
+  # in 6 parts, row 0 selects a NaN slot at position 5 of its second-to-last
+  # tile (no later tile of its own overwrites it, and its staged result goes
+  # to the other stage) and rows 1-15 have a -1 there in every tile; they
+  # must be the reference's.
+  q, cache, idx = _inputs(16, 64, 0.0, seed=3)
+  nan_slot = int(idx[0, TOPK - 128 + 5])
+  rest = jnp.where(idx[1:] == nan_slot, 1 + nan_slot % 7, idx[1:]).at[:, 5::64].set(-1)
+  idx = idx.at[1:].set(rest)
+  cache = cache.reshape(-1, 576).at[nan_slot].set(jnp.nan).reshape(cache.shape)
+  for fp in f16_checks:
+    for mode in args.modes:
+      cfg = SparseMLADecodeConfig(parts=6, f16_partials=fp)
+      out, lse = sparse_mla_decode(q, cache, idx, sm_scale=SCALE, mask_mode=mode, config=cfg)
+      ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE,
+                                                     mask_mode=mode)
+      clean = (bool(jnp.isfinite(out[1:]).all()) and _rel(out[1:], ref_out[1:]) < 1e-2
+               and _rel(lse[1:], ref_lse[1:]) < 1e-4)
+      ok &= clean
+      print(f"stale stage rows ({mode}, parts 6, f16_partials {fp}): rows 1-15 the"
+            f" reference's: {clean}")
+
   print("\nbatch heads  topk invalid mode/q_regs           us  kernel    TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")
   for r in rows:

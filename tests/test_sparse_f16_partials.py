@@ -153,13 +153,6 @@ def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(select, first
     np.testing.assert_array_equal(out[[0, rows + 1]], np.asarray(dest[0], np.float32)[[0, rows + 1]])
 
 
-# In "multiply" a NaN piece's float16 bits stay in its stage, where the next
-# segment's tiles leave a row stale for an invalid id (the gather copies
-# nothing there). NumPy's float16 NaN, read as bf16, is ~4e37: its score
-# overflows (to inf, or to NaN from inf - inf) in the interpreter's QK before
-# it is masked to -inf, and its weight is exactly 0.
-@pytest.mark.filterwarnings("ignore:overflow encountered in matmul:RuntimeWarning")
-@pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")
 @pytest.mark.parametrize("layout", ["stream", "splits"])
 def test_calls_with_float16_partials(layout):
   """Whole calls, the stream (6 rows of 3 tiles in 4 parts; row 1's first tile

@@ -200,3 +200,25 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine):
   assert want[1] and not want[-1]
   mul_out, _ = run(poisoned, "multiply")
   np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
+
+
+@pytest.mark.parametrize("mode, f16", [("select", False), ("multiply", True)])
+def test_stream_rows_never_read_an_earlier_rows_slots(mode, f16):
+  """The stream runs several rows' tiles through one CTA's stages. Row 1 (cut
+  at tile 3, 5 rows of 2 tiles in 3 parts) selects a NaN slot in its second
+  tile, a piece of its own in part 1; part 1 then runs row 2, whose second
+  tile holds -1s. A -1's stage row must not keep what an earlier tile left
+  there: the NaN slot, or (float16 partials) the staged NaN piece's bits.
+  Rows 0 and 2-4 are the reference's, finite, in both modes (the null block
+  is finite). (Row 1 itself, a NaN in a slot it selected, is not compared.)"""
+  q, cache, idx = inputs(91, 5, 16, 128, invalid=0.0)
+  nan_slot = int(idx[1, 67])
+  others = np.arange(5) != 1
+  idx = idx.at[others].set(jnp.where(idx[others] == nan_slot, 1 + nan_slot % 7, idx[others]))
+  idx = idx.at[2, 64::3].set(-1)  # (67: where row 1 had the NaN slot)
+  cache = cache.reshape(-1, 576).at[nan_slot].set(jnp.nan).reshape(cache.shape)
+  out, lse = sparse_mla_decode(q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=FAST,
+                               config=SparseMLADecodeConfig(parts=3, f16_partials=f16))
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  rows = np.flatnonzero(others)
+  check(out[rows], lse[rows], ref_out[rows], ref_lse[rows])

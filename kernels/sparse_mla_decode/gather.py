@@ -116,8 +116,9 @@ def issue_gather(
 
   Args:
     ids: the tile's cache rows as `row_ids` holds them in registers. An id
-      outside the cache (-1, or past its last row) copies nothing (row r
-      keeps what it held).
+      outside the cache (-1, or past its last row) zero-fills row r (`cp.async`
+      with a source size of 0: nothing is read), so that no row of a tile
+      holds what an earlier tile, of this row or another, left there.
     cache: `[num_rows, 576]` bf16 GMEM ref.
     k_lat: `[2, tile, 256]` bf16 SMEM ref (the two latent halves) under
       `transforms`.
@@ -174,8 +175,9 @@ def issue_gather(
         llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(cache_ref)
     )
 
-    def copy_row(src, p):
-      # Row r = row0 + 16p: two 8-row bands further per pass.
+    def copy_row(src, p, src_size):
+      # Row r = row0 + 16p: two 8-row bands further per pass. `src_size`: 16,
+      # or 0 to fill the row with zeros.
       for span in range(SPANS):
         if span < LATENT * 2 // (PIECE * LANES_PER_ROW):
           half, sub = divmod(span, 4)
@@ -189,7 +191,8 @@ def issue_gather(
           off = p * 2 * rope_tiles_per_row * TILE_BYTES
           dst = mgpu_utils.getelementptr(rope_ptr, [off], i8)
         piece = mgpu_utils.getelementptr(src, [span * PIECE * LANES_PER_ROW], i8)
-        nvvm.cp_async_shared_global(dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG)
+        nvvm.cp_async_shared_global(dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG,
+                                    cp_size=src_size)
 
     for p, raw in enumerate(_scalars(row_ids_)):
       sid = arith.minsi(arith.maxsi(raw, c32(0)), c32(num_rows - 1))
@@ -198,8 +201,8 @@ def issue_gather(
           arith.extui(i64, arith.muli(lane, c32(PIECE))),
       )
       src = mgpu_utils.getelementptr(cache_ptr, [src_off], i8)
-      with mgpu_utils.when(_inside(raw, num_rows)):
-        copy_row(src, p)
+      # (The clamped address stays inside the cache; a size of 0 reads none of it.)
+      copy_row(src, p, arith.select(_inside(raw, num_rows), c32(PIECE), c32(0)))
     # The indices: one 16-byte piece (4 of them) per thread of the first few.
     idx_pieces = tile * 4 // PIECE
     with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, t, c32(idx_pieces))):
@@ -228,8 +231,8 @@ def _inside(raw, num_rows: int):
 def null_first_invalid(ids, scratch, *, tile: int, num_rows: int) -> jax.Array:
   """`ids` (as `row_ids` holds them) with the tile's first invalid id (-1, or
   any id outside the `num_rows` rows of the cache), if any, replaced by 0:
-  "multiply" copies the null block's slot 0 for that row (and nothing for
-  the tile's other invalid ids), so a non-finite null block reaches the
+  "multiply" copies the null block's slot 0 for that row (and zero-fills the
+  rows of the tile's other invalid ids), so a non-finite null block reaches the
   accumulator with p = 0 as in production kernels. The rows' indices the
   consumers mask by are copied from GMEM and keep their values.
 

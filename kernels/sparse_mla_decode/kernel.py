@@ -34,11 +34,12 @@ Masking. Any slot of any tile can be invalid (-1, or any id outside the
 cache: never clamped onto some other slot), so every tile is masked: each
 stage's 64 indices land in SMEM with its rows, and the consumers give an
 invalid index the score -inf in both modes. What the producer copies for
-one differs: "select" copies nothing (the stage was zeroed at the start, so
-the row holds finite bytes: zeros or an earlier row of this CTA's own
-selection, weighted exactly 0), so no slot outside the row's selection is
-ever read; "multiply" reads slot 0 (the null block) for the first invalid
-id of each tile and nothing for the others, so a non-finite null block meets
+one differs: "select" zero-fills its row (`cp.async` with a source size of
+0), so no slot outside the row's selection is ever read, and the row holds
+zeros, weighted exactly 0, not what an earlier tile left there (another
+row's slot, which may be NaN, under the stream; a staged result or
+partial); "multiply" reads slot 0 (the null block) for the first invalid id
+of each tile and zero-fills the others, so a non-finite null block meets
 p = 0 in the accumulator (0 * NaN = NaN) and poisons the row exactly as in
 production kernels, which read it for every -1 (once or many times, 0 * NaN
 is NaN and 0 * finite adds +0), without every CTA of the step reading one
@@ -194,13 +195,9 @@ def build_kernel(
   stored by TMA, in whole rows (`layout.stage_head_group`); the stage is
   released once the copy has read it. The partials' outputs are then those
   of `layout.split_outputs(f16=True)`: O bf16 (float16 bits), LSE, and one
-  more, the scales, f32 `[..., 2, heads_padded]` by channel half. (A stage
-  row that a later tile leaves stale for an invalid id then holds a
-  partial's float16 bits, read as bf16: its score is masked and its weight
-  exactly 0; the bits of finite values within [-1, 1] are finite bf16 values
-  of at most 2^-7, and only a NaN or infinite partial, which "select" never
-  produces from finite slots, leaves a non-finite or huge one, as a staged
-  NaN result row does.)
+  more, the scales, f32 `[..., 2, heads_padded]` by channel half. (A later
+  tile of the stage never reads those bits: an invalid id's row is
+  zero-filled.)
   """
   assert topk % (TILE * num_splits) == 0
   assert cut_rows == 0 or (num_splits == 1 and 2 <= pieces <= topk // TILE

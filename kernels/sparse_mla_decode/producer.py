@@ -79,9 +79,10 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
       pl.when(t < n_steps)(lambda t=t: fetch_ids(t))
     else:
       fetch_ids(t)
-  # An invalid id copies nothing (but in "multiply" the first of a
-  # tile), so its row keeps what the stage held: finite bytes (zeros, or
-  # a row this CTA gathered before), weighted exactly 0.
+  # An invalid id's row is zero-filled by the gather (but in "multiply" the
+  # first of a tile reads slot 0), weighted exactly 0: not a row an earlier
+  # tile left there, which may be another row's NaN slot or a staged
+  # result's or partial's bytes. (The stages also start at zero.)
   if compiled:
     zero_fill(k_lat, k_rope, transforms=bf16)
   else:
@@ -175,7 +176,8 @@ def _interpret_gather(tile_ids, cache_ref, k_lat, k_rope, ready_bar, *, select: 
   """The interpreter's gather of a tile (it has no `cp.async`): one TMA copy
   per row and latent half / RoPE part, which lands the same bytes as
   `gather.issue_gather`, each arriving on `ready_bar`; a row copied from
-  nowhere arrives for its three copies.
+  nowhere is stored zeros, as `issue_gather` zero-fills it, and arrives for
+  its three copies.
 
   tile_ids `[64]` int32 SMEM (landed); k_lat `[2, 64, 256]` and k_rope
   `[64, 64]` bf16: the tile's stage.
@@ -208,5 +210,8 @@ def _interpret_gather(tile_ids, cache_ref, k_lat, k_rope, ready_bar, *, select: 
 
     @pl.when(~copy)
     def _():
+      for h in range(2):
+        k_lat[h, pl.ds(r, 1), :] = jnp.zeros((1, HALF), k_lat.dtype)
+      k_rope[pl.ds(r, 1), :] = jnp.zeros((1, ROPE), k_rope.dtype)
       for _ in range(3):  # the copies' arrivals
         plgpu.barrier_arrive(ready_bar)
