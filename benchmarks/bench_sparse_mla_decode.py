@@ -63,6 +63,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
     CLUSTER_SPLITS,
     default_config,
     halves_pair_up,
+    merged_after_kernel,
     merges_in_cluster,
     rows_to_cut,
 )
@@ -122,12 +123,11 @@ def _same_result(a, b) -> bool:
 
 
 def _merged_after(config, batch, heads, topk) -> bool:
-  """Whether a call with `config` leaves partials to a merge after the kernel
-  (`f16_partials` applies): several splits, cut rows or the stream, not
-  merged in clusters."""
+  """`config.merged_after_kernel` for a call with `config` at this shape
+  (where `f16_partials` applies)."""
   cut = rows_to_cut(config, batch=batch, num_heads=heads, topk=topk)
-  return not merges_in_cluster(config, batch=batch, num_heads=heads, cut=cut) and (
-      config.num_splits > 1 or bool(cut.rows) or bool(cut.parts))
+  return merged_after_kernel(config, cut=cut, in_clusters=merges_in_cluster(
+      config, batch=batch, num_heads=heads, cut=cut))
 
 
 def _pallas_config(splits, batch, heads, topk=TOPK, cut_rows=None, pieces=None):

@@ -108,3 +108,10 @@ def scaled_half_spec(o):
   exp = np.ceil(np.log2(np.where(mag > 0, mag, 1.0)))
   scale = np.where(mag > 0, 2.0**exp, 1.0).astype(np.float32)
   return (halves / scale[..., None]).astype(np.float16).reshape(o.shape), scale
+
+
+def unscaled_spec(o16, scale):
+  """`scaled_half_spec`'s float16 values times their scales, float32: the
+  partials a float16 merge reads, as float32 values."""
+  halves = o16.astype(np.float32).reshape(*o16.shape[:-1], 2, 256)
+  return (halves * scale[..., None]).reshape(o16.shape)

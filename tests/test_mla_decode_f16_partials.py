@@ -23,6 +23,7 @@ from mla_problem import (
     run_reference,
     scaled_half_spec,
     segments,
+    unscaled_spec,
 )
 
 
@@ -95,8 +96,7 @@ def test_ring_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk):
   o = rng.standard_normal((batch, splits, heads, 512)).astype(np.float32)
   o *= 10.0 ** rng.uniform(-3, 5, size=(batch, splits, heads, 1))
   o16, scale = scaled_half_spec(o)
-  o_back = (o16.astype(np.float32).reshape(batch, splits, heads, 2, 256)
-            * scale[..., None]).reshape(o.shape)
+  o_back = unscaled_spec(o16, scale)
   lse = (rng.standard_normal((batch, splits, heads)) * 3).astype(np.float32)
   live = np.array([splits, 1, 0, 4])
   dead = np.arange(splits)[None, :] >= live[:, None]

@@ -21,7 +21,7 @@ from jaxkv.kernels.sparse_mla_decode import (
 )
 from jaxkv.kernels.sparse_mla_decode.stream import boundary_rows
 
-from mla_problem import scaled_half_spec
+from mla_problem import scaled_half_spec, unscaled_spec
 from sparse_problem import (
     BLOCK_SIZE,
     FAST,
@@ -123,8 +123,7 @@ def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(select, first
   o = rng.standard_normal((rows, pieces, hp, 512)).astype(np.float32)
   o *= 10.0 ** rng.uniform(-3, 5, size=(rows, pieces, hp, 1))
   o16, scale = scaled_half_spec(o)
-  o_back = (o16.astype(np.float32).reshape(rows, pieces, hp, 2, 256)
-            * scale[..., None]).reshape(o.shape)
+  o_back = unscaled_spec(o16, scale)
   lse = (rng.standard_normal((rows, pieces, hp)) * 3).astype(np.float32)
   dead = np.zeros((rows, pieces), bool)
   dead[0, 1] = dead[2, :] = True  # row 2: no live piece

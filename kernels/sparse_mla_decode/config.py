@@ -372,6 +372,14 @@ def merges_in_cluster(config: SparseMLADecodeConfig, *, batch: int, num_heads: i
                             cut_rows=cut.rows, pieces=cut.pieces)
 
 
+def merged_after_kernel(config: SparseMLADecodeConfig, *, cut: RowCut, in_clusters: bool) -> bool:
+  """Whether a call leaves partials to a merge after the kernel (the combine
+  kernel's or XLA's): several splits, cut rows or the stream, not merged in
+  clusters (`in_clusters`: `merges_in_cluster`'s answer). `f16_partials`
+  applies there alone."""
+  return not in_clusters and (config.num_splits > 1 or bool(cut.rows) or bool(cut.parts))
+
+
 def heuristic_config(
     *, batch: int, num_heads: int, topk: int, num_sms: int | None = None
 ) -> SparseMLADecodeConfig:

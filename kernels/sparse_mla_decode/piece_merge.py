@@ -250,12 +250,11 @@ def build_piece_merge(
   # The partials with rows and pieces as one dimension (a free reshape): a
   # copy of several pieces' tiles is then a box of three dimensions.
   flat = lambda o: o.reshape(rows * pieces, heads_padded, LATENT)
-  n_in = 3 if scaled else 2  # o, lse (, scale)
   if first_row is None:
     return lambda o, lse, *scale: call(flat(o), lse, *scale)
 
   def merge_in_place(o, lse, *rest):
-    scale, (out, lse_out) = rest[:n_in - 2], rest[n_in - 2:]
+    scale, (out, lse_out) = rest[:-2], rest[-2:]  # (scale,) if scaled
     assert first_row + rows <= out.shape[0] and out.shape[1:] == (out_heads, LATENT)
 
     def in_place(refs):

@@ -27,6 +27,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
     SparseMLADecodeConfig,
     cluster_ctas,
     default_config,
+    merged_after_kernel,
     merges_in_cluster,
     rows_to_cut,
 )
@@ -130,8 +131,8 @@ def sparse_mla_decode(
         cluster_merge=cluster_merge,
         xla_combine=config.combine == "xla",
         parts=cut.parts,
-        f16_partials=config.f16_partials and not cluster_merge and (
-            config.num_splits > 1 or bool(cut.rows) or bool(cut.parts)),
+        f16_partials=config.f16_partials and merged_after_kernel(
+            config, cut=cut, in_clusters=cluster_merge),
     )
 
 
