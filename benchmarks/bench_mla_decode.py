@@ -243,7 +243,40 @@ def check_correctness(rng, variant="default"):
   print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
   ok = all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
   return (check_block_sizes(rng, cfg) and check_grouped(rng, kernel_kw)
-          and check_blocks_outside_the_cache(rng, cfg) and ok)
+          and check_blocks_outside_the_cache(rng, cfg) and check_nan_in_valid_data(rng, kernel_kw)
+          and ok)
+
+
+def check_nan_in_valid_data(rng, kernel_kw):
+  """NaN in data a row reads as valid is data: a NaN latent channel in row
+  0's token 5 makes every head of row 0 NaN, out and LSE, and a NaN in row
+  1's query at head 5 that head, as the reference says, whichever merge
+  takes the rows (one split: none; 3: the per-split ring, or the stacked
+  merge at 16 heads; 20 at 128 heads: grouped; 40: two passes); the other
+  heads the reference's."""
+  lens_np = [1000, 4097, 300]
+  lens = jnp.asarray(lens_np, jnp.int32)
+  table = table_for(rng, lens_np, 200, 70)
+  cache = jax.random.normal(jax.random.key(21), (200, BS, D), jnp.bfloat16)
+  cache = cache.at[table[0, 0], 5, 7].set(jnp.nan)
+  good = True
+  for heads, splits in ((64, 1), (64, 3), (16, 3), (128, 20), (64, 40)):
+    q = jax.random.normal(jax.random.key(22), (3, heads, D), jnp.bfloat16).at[1, 5, 100].set(jnp.nan)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
+    got = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, config=cfg)
+    want = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
+    o, l, wo, wl, same_nans = _as_f32(got, want)
+    nan_at = np.zeros((3, heads), bool)
+    nan_at[0], nan_at[1, 5] = True, True
+    exact = all((np.isnan(x).reshape(3, heads, -1).all(-1) == nan_at).all()
+                and (np.isnan(x).reshape(3, heads, -1).any(-1) == nan_at).all() for x in (o, l, wo, wl))
+    fin = ~nan_at
+    err = float(np.linalg.norm(o[fin] - wo[fin]) / np.linalg.norm(wo[fin]))
+    lerr = float(np.abs(l[fin] - wl[fin]).max())
+    print(f"NaN in valid data ({heads} heads, {splits} splits): NaN at exactly row 0 and row 1's"
+          f" head 5 {same_nans and exact}; the others rel_err {err:.2e} lse_err {lerr:.2e}")
+    good &= same_nans and exact and err < 1e-2 and lerr < 1e-2
+  return good
 
 
 def check_blocks_outside_the_cache(rng, cfg):

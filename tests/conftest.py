@@ -92,6 +92,7 @@ _INTERPRETED_FIRST = (
     "test_sparse_piece_merge.py",
     "test_sparse_f16_partials.py",
     "test_mla_decode_f16_partials.py",
+    "test_nan_in_valid_data.py",
 )
 
 

@@ -19,7 +19,9 @@ def combine_splits(
 
   A split with `lse = -inf` (no slots) has weight exactly 0 and its `o` is
   never multiplied in (so it may hold anything); a NaN in a non-empty split's
-  `o` propagates, which "multiply" mode relies on.
+  `o` propagates, which "multiply" mode relies on, and so does a NaN `lse`
+  (a split that met NaN in a valid slot or the query): the row's `out` and
+  `lse` come out NaN, as one split over all its slots gives them.
 
   Args:
     o: `[batch, splits, heads, dv]` float32 per-split normalised outputs.
@@ -35,13 +37,13 @@ def combine_splits(
   """
   with jax.named_scope("jaxkv.mla_decode_combine"):
     if o.shape[1] == 1:
-      return jnp.where((lse[:, 0] > -jnp.inf)[..., None], o[:, 0], 0.0), lse[:, 0]
-    m = jnp.max(lse, axis=1)  # [batch, heads]
-    live = lse > -jnp.inf
-    m_safe = jnp.where(m > -jnp.inf, m, 0.0)
+      return jnp.where((lse[:, 0] != -jnp.inf)[..., None], o[:, 0], 0.0), lse[:, 0]
+    m = jnp.max(lse, axis=1)  # [batch, heads]; NaN where a split's is
+    live = lse != -jnp.inf  # NaN is live: its weight NaN poisons the row
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.where(live, jnp.exp(lse - m_safe[:, None, :]), 0.0)
     total = jnp.sum(w, axis=1)
-    has = total > 0.0
+    has = total != 0.0
     w = w / jnp.where(has, total, 1.0)[:, None, :]
     keep = live[..., None]
     if empty_nan:

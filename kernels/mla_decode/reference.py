@@ -88,17 +88,20 @@ def attention_reference(q, kv, valid, keep, *, sm_scale: float, dv: int):
 
   Returns:
     `out` `[batch, heads, dv]` in q's dtype and `lse` `[batch, heads]` float32
-    (`out` 0 and `lse` -inf for a row without a valid slot).
+    (`out` 0 and `lse` -inf for a row without a valid slot). A NaN (or an
+    infinity) in a head's query or in a valid slot is data, not garbage: that
+    head's `out` and `lse` come out NaN, as in any attention, whatever the
+    kernels' split plan; masked slots' bytes never reach a score.
   """
   s = jnp.einsum("bhd,btd->bht", q, kv, preferred_element_type=jnp.float32) * jnp.float32(sm_scale)
   s = jnp.where(valid[:, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  m = jnp.where(m == -jnp.inf, 0.0, m)  # no valid slot; a NaN maximum stays
   p = jnp.exp(s - m)  # exactly 0 on masked slots
   l = jnp.sum(p, axis=-1)
   v = jnp.where(keep[:, :, None], kv[..., :dv], jnp.zeros((), kv.dtype))
   o = jnp.einsum("bht,btd->bhd", p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
-  has = l > 0.0
+  has = l != 0.0  # a NaN sum (a NaN score) is not "no valid slot"
   o = jnp.where(has[..., None], o / jnp.where(has, l, 1.0)[..., None], 0.0)
   lse = jnp.where(has, m[..., 0] + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
   return o.astype(q.dtype), lse

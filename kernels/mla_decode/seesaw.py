@@ -87,9 +87,11 @@ def softmax_finish(acc, m, l):
   """The online softmax's end: `(acc / l, natural-log LSE)` for `m` in log2 units.
 
   Rows with no weight (`l == 0`) get O = 0 times acc (so NaN accumulated in
-  "multiply" mode stays NaN) and LSE = -inf.
+  "multiply" mode stays NaN) and LSE = -inf. A NaN `l` (a NaN score: NaN in
+  the query or in a slot read as valid) is data, not "no weight": O and LSE
+  come out NaN (`!=` is true for NaN, on the GPU as in XLA).
   """
-  has = l > 0.0
+  has = l != 0.0
   inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
   o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
   lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) / LOG2E, -jnp.inf)

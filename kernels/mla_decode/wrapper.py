@@ -124,7 +124,9 @@ def mla_decode(
 
   Returns:
     `out` `[batch, heads, 512]` in q's dtype and `lse` `[batch, heads]`
-    float32 (natural log).
+    float32 (natural log). A NaN in a head's query or in a slot the row
+    holds (below its `seq_len`) gives that head NaN `out` and `lse`, as the
+    reference does, whatever the split plan and merge.
   """
   _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, config)
   interpret = resolve_interpret(interpret)

@@ -110,10 +110,11 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
 
   def store_result(o, lse, l_i, row=None, stage=launch.last_stage):
     # The row's result, as `combine_splits` of one split gives it: 0
-    # where no index is valid (also where "multiply" met NaN there).
+    # where no index is valid (also where "multiply" met NaN there); NaN
+    # where a valid slot or the query is (l NaN).
     # (A whole row's last tile is in `last_stage`, with cut_rows too.)
     row = b if row is None else row
-    has = lax.broadcast_in_dim(l_i > 0.0, o.shape, [0])
+    has = lax.broadcast_in_dim(l_i != 0.0, o.shape, [0])
     res = jnp.where(has, o, 0.0).astype(launch.out_dtype)
     if stage_out:
       # Our value half of the last stage: the other consumer's QK of

@@ -67,7 +67,8 @@ def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
 
   Args:
     lses: for each partial, a function giving its `[64]` f32 LSE (WGMMA
-      rows) in log2 units (-inf: it attended to nothing, weight 0), called
+      rows) in log2 units (-inf: it attended to nothing, weight 0; NaN: it
+      met NaN in a slot it read as valid, and poisons the row), called
       twice: for the partials' maximum first, then for each weight.
     parts: for each partial, a function giving its normalised `[64, cols]`
       f32 tile (WGMMA layout), called once, in order.
@@ -83,7 +84,8 @@ def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
 
   Returns:
     the merged `[64, cols]` f32 tile (0 in a row of no live partial, even
-    where "multiply" met NaN) and its natural-log LSE (-inf there).
+    where "multiply" met NaN) and its natural-log LSE (-inf there); both NaN
+    in a row where a live partial's LSE is NaN.
   """
   m = lses[0]()
   for lse in lses[1:]:
@@ -92,7 +94,7 @@ def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
   acc, _, l = softmax_start(cols)
   for j, (lse, part) in enumerate(zip(lses, parts)):
     lse_j = lse()
-    live = lse_j > -jnp.inf
+    live = lse_j != -jnp.inf  # NaN is live: its weight NaN poisons the row
     w = jnp.where(live, jnp.exp2(lse_j - m_ref), 0.0)
     o_j = part()
     keep = lax.broadcast_in_dim(live, o_j.shape, [0])
@@ -103,7 +105,7 @@ def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
     acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w_o, acc.shape, [0])
     l = l + w
   res, lse = softmax_finish(acc, m, l)
-  return jnp.where(lax.broadcast_in_dim(l > 0.0, res.shape, [0]), res, 0.0), lse
+  return jnp.where(lax.broadcast_in_dim(l != 0.0, res.shape, [0]), res, 0.0), lse
 
 
 def build_piece_merge(

@@ -33,7 +33,8 @@ def sparse_mla_decode_reference(
   slot's value row is still accumulated with probability 0, so NaN there
   yields NaN in the row (as in production kernels); in "select" mode it never
   reaches the accumulator. A row without a valid entry attended to nothing:
-  `out` 0 and `lse` -inf in both modes.
+  `out` 0 and `lse` -inf in both modes. A NaN in a valid entry's slot or in
+  a head's query is data: those heads' `out` and `lse` come out NaN.
 
   Args:
     q: `[batch, heads, 576]` queries (512 latent + 64 RoPE channels).

@@ -62,7 +62,9 @@ def sparse_mla_decode(
   (the kernel reads nothing for them: no slot outside the selection is
   read); duplicates count as
   often as they appear; a row without a valid entry gives `out` 0 and `lse`
-  -inf. Works under `jax.jit` with traced indices.
+  -inf; a NaN in a valid entry's slot or a head's query gives NaN `out` and
+  `lse` at the heads it reaches, whichever splits, pieces or merge the call
+  runs. Works under `jax.jit` with traced indices.
 
   Args:
     q: `[batch, heads, 576]` bf16 or float32 queries (1 to 128 heads; cast to
