@@ -23,8 +23,6 @@ the 512-byte tile `(row // 8, col // 32)` (row-major over tiles), at byte
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -269,36 +267,6 @@ def null_first_invalid(ids, scratch, *, tile: int, num_rows: int) -> jax.Array:
          for r, raw in zip(rows, raws)], tile)
 
   return _scan(ids, scratch)
-
-
-def zero_fill(*refs, transforms) -> None:
-  """Stores zeros over every byte of `refs` (SMEM refs under `transforms`, each a
-  multiple of 2 KiB).
-
-  Called by all 128 threads of one warpgroup, compiled only (16 bytes per
-  thread per store, consecutive threads on consecutive pieces). Not ordered
-  with anything: the caller fences and synchronises.
-  """
-
-  @plgpu.inline_mgpu(arg_types=tuple(plgpu.RefType(transforms=transforms) for _ in refs))
-  def _fill(_ctx, *mrefs):
-    i32 = ir.IntegerType.get_signless(32)
-    i8 = ir.IntegerType.get_signless(8)
-    c32 = lambda v: mgpu_utils.c(v, i32)
-    vec = ir.VectorType.get((4,), i32)
-    zero = arith.constant(vec, ir.DenseElementsAttr.get_splat(vec, ir.IntegerAttr.get(i32, 0)))
-    t = arith.remui(mgpu_utils.thread_idx(), c32(128))
-    for mref in mrefs:
-      ty = ir.MemRefType(mref.type)
-      nbytes = math.prod(ty.shape) * mgpu_utils.bitwidth(ty.element_type) // 8
-      assert nbytes % (128 * PIECE) == 0, nbytes
-      base = mgpu_utils.getelementptr(
-          mgpu_utils.memref_ptr(mref), [arith.muli(t, c32(PIECE))], i8
-      )
-      for k in range(nbytes // (128 * PIECE)):
-        llvm.store(zero, mgpu_utils.getelementptr(base, [k * 128 * PIECE], i8))
-
-  _fill(*refs)
 
 
 def init_barriers(bars, *, arrivals: int) -> None:

@@ -36,7 +36,6 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
     null_first_invalid,
     row_ids,
     warpgroup_barrier,
-    zero_fill,
 )
 from jaxkv.kernels.sparse_mla_decode.stream import segment
 
@@ -82,13 +81,8 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
   # An invalid id's row is zero-filled by the gather (but in "multiply" the
   # first of a tile reads slot 0), weighted exactly 0: not a row an earlier
   # tile left there, which may be another row's NaN slot or a staged
-  # result's or partial's bytes. (The stages also start at zero.)
-  if compiled:
-    zero_fill(k_lat, k_rope, transforms=bf16)
-  else:
-    k_lat[...] = jnp.zeros(k_lat.shape, k_lat.dtype)
-    k_rope[...] = jnp.zeros(k_rope.shape, k_rope.dtype)
-  plgpu.commit_smem()
+  # result's or partial's bytes. Every row of a tile is written before it is
+  # read, so the stages start as they are (the interpreter's start NaN).
 
   def gather(j, stage, tile_ids):
     # The tile's indices travel with its rows: the consumers mask by them.
