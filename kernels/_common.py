@@ -83,6 +83,43 @@ def first_device():
   return jax.devices()[0]
 
 
+# The Mosaic GPU kernels use wgmma, setmaxnreg and TMA as sm_90a has them: they
+# compile for NVIDIA Hopper GPUs (H100, H200, H20, GH200) alone.
+KERNEL_CAPABILITY = "9.0"
+
+
+def runs_kernels(device=None) -> bool:
+  """Whether `device` (default: the first) runs the Pallas kernels compiled: an
+  NVIDIA GPU of compute capability 9.0."""
+  device = device or first_device()
+  return (device.platform in ("gpu", "cuda")
+          and getattr(device, "compute_capability", None) == KERNEL_CAPABILITY)
+
+
+def other_gpu(device=None) -> bool:
+  """Whether `device` (default: the first) is a GPU that cannot run the Pallas
+  kernels compiled (an A100, a Blackwell, an AMD GPU): ops whose semantics
+  have a jnp form default to it there."""
+  device = device or first_device()
+  return device.platform in ("gpu", "cuda", "rocm") and not runs_kernels(device)
+
+
+def require_kernel_device(kernel: str, fallback: str) -> None:
+  """A `ValueError` before a compiled launch of `kernel` on a device that
+  cannot run it, naming the device and what runs there instead (`fallback`)."""
+  device = first_device()
+  if runs_kernels(device):
+    return
+  capability = getattr(device, "compute_capability", None)
+  what = f"{device.device_kind} (compute capability {capability})" if capability else (
+      f"{device.platform} device {device.device_kind!r}")
+  raise ValueError(
+      f"{kernel}'s Pallas kernel compiles for NVIDIA Hopper GPUs (compute capability"
+      f" {KERNEL_CAPABILITY}) alone, not for the {what}: pass {fallback} (the jnp"
+      " reference: the same results, unfused) or interpret=True"
+  )
+
+
 # Multiprocessors a plan counts where no GPU reports its own (the CPU and its
 # interpreter): an H100 SXM's or H200's, so that plans made there are the H200's.
 DEFAULT_SMS = 132

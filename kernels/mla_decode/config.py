@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxkv.kernels._common import device_kind, load_tuning
+from jaxkv.kernels._common import device_kind, load_tuning, other_gpu
 from jaxkv.kernels._common import num_sms as device_sms
 
 OP = "mla_decode"
@@ -14,6 +14,8 @@ MAX_SPLITS = 256
 KV_SWIZZLES = (64, 128)
 # Latent query channels the consumers keep in registers (`MLADecodeConfig.q_regs`).
 Q_REGS = (0, 64, 128, 192)
+# What a compiled call runs (`MLADecodeConfig.implementation`).
+IMPLEMENTATIONS = ("pallas", "xla")
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -50,6 +52,11 @@ class MLADecodeConfig:
       registers for its QK (0, 64, 128 or 192; `q_regs / 4` registers per
       thread), so that the QK reads that much less of the query from SMEM.
       A kernel parameter, like kv_swizzle.
+    implementation: what a compiled (non-interpreted) call runs: "pallas"
+      (the Mosaic GPU kernels; a Hopper GPU, compute capability 9.0) or
+      "xla" (the jnp reference, `mla_decode_reference`: the same results on
+      any device, with the blocks gathered whole and unfused). The default
+      config is "xla" on other GPUs. Interpreted calls run the kernels.
   """
 
   num_splits: int = 1
@@ -58,6 +65,7 @@ class MLADecodeConfig:
   split_overhead_tiles: int = 4
   kv_swizzle: int = 64
   q_regs: int = 0
+  implementation: str = "pallas"
 
   def __post_init__(self):
     for name in ("num_splits", "ctas_per_sm", "min_chunk_blocks"):
@@ -71,6 +79,7 @@ class MLADecodeConfig:
       raise ValueError(f"{self.num_splits=} must be at most {MAX_SPLITS}")
     check_choice("kv_swizzle", self.kv_swizzle, KV_SWIZZLES)
     check_choice("q_regs", self.q_regs, Q_REGS)
+    check_choice("implementation", self.implementation, IMPLEMENTATIONS)
 
 
 def heuristic_config(*, batch: int, num_heads: int, num_sms: int | None = None) -> MLADecodeConfig:
@@ -98,6 +107,7 @@ def heuristic_config(*, batch: int, num_heads: int, num_sms: int | None = None) 
       # and the query's first 128 channels in registers shorten further.
       kv_swizzle=128 if head_groups == 1 else 64,
       q_regs=0 if head_groups == 1 else 128,
+      implementation="xla" if other_gpu() else "pallas",
   )
 
 
@@ -117,7 +127,8 @@ def config_from_entries(
 
 def default_config(*, batch: int, num_heads: int, num_sms: int | None = None) -> MLADecodeConfig:
   """The tuned config of this device where one matches, else the heuristic
-  (for `num_sms` multiprocessors; None: the device's)."""
+  (for `num_sms` multiprocessors; None: the device's), which runs the jnp
+  reference on a GPU that cannot run the kernels."""
   tuned = load_tuning(OP, device_kind())
   if tuned is not None:
     config = config_from_entries(tuned["entries"], batch=batch, num_heads=num_heads)

@@ -17,7 +17,11 @@ from jaxkv._types import (
     MLA_LATENT_DIM,
     Lse,
 )
-from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
+from jaxkv.kernels._common import (
+    require_interpreter_threads,
+    require_kernel_device,
+    resolve_interpret,
+)
 
 from . import kernel as _kernel
 from . import layout as _layout
@@ -26,7 +30,7 @@ from . import merge_tiling as _tiling
 from . import packed_merge as _packed
 from .config import MLADecodeConfig, default_config
 from .plan import MLADecodePlan, mla_decode_plan
-from .reference import MASK_MODES
+from .reference import MASK_MODES, mla_decode_reference
 
 SUPPORTED_BLOCK_SIZES = _kernel.BLOCK_SIZES
 MAX_HEADS = 128
@@ -119,7 +123,9 @@ def mla_decode(
       when None.
     config: tuning config: the plan's parameters when `plan` is None, and
       the kernel's `kv_swizzle` and `q_regs` either way (the device's tuned or heuristic
-      config when None).
+      config when None). A compiled call runs `config.implementation`: the
+      Pallas kernels need a Hopper GPU (a `ValueError` names any other
+      device); "xla" runs the reference anywhere, the default on other GPUs.
     interpret: see `jaxkv.kernels._common.resolve_interpret`.
 
   Returns:
@@ -135,6 +141,11 @@ def mla_decode(
   if config is None:
     config = default_config(batch=q.shape[0], num_heads=q.shape[1])
   with jax.named_scope("jaxkv.mla_decode"):
+    if interpret is None:  # compiled
+      if config.implementation == "xla":
+        return _reference(q, cache, block_table, seq_lens, sm_scale=float(sm_scale), dv=dv,
+                          mask_mode=mask_mode)
+      require_kernel_device("mla_decode", "config=MLADecodeConfig(implementation='xla')")
     if plan is None:
       plan = mla_decode_plan(seq_lens, num_heads=q.shape[1], block_size=cache.shape[1], config=config)
     return _mla_decode(
@@ -142,6 +153,9 @@ def mla_decode(
         sm_scale=float(sm_scale), select=mask_mode == "select",
         interpret=interpret, kv_swizzle=config.kv_swizzle, q_regs=config.q_regs,
     )
+
+
+_reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "mask_mode"))
 
 
 @functools.partial(

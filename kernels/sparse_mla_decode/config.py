@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from typing import Any, NamedTuple
 
-from jaxkv.kernels._common import DEFAULT_SMS, device_kind, load_tuning
+from jaxkv.kernels._common import DEFAULT_SMS, device_kind, load_tuning, other_gpu
 from jaxkv.kernels._common import num_sms as device_sms
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 from jaxkv.kernels.sparse_mla_decode.stream import cut_boundaries
@@ -39,9 +39,10 @@ class SparseMLADecodeConfig:
       one float32 partial output per split. `topk` must be a multiple of
       `64 * num_splits` (the kernel's tile).
     implementation: what a compiled (non-interpreted) call runs: "pallas"
-      (the Mosaic GPU kernel, the default; needs a Hopper GPU) or "xla" (the
-      jnp reference: any device, 2-3x slower on an H200). Interpreted calls
-      always run the kernel.
+      (the Mosaic GPU kernel; a Hopper GPU, compute capability 9.0: a
+      `ValueError` names any other device) or "xla" (the jnp reference: any
+      device, 2-3x slower on an H200). The default config is "xla" on other
+      GPUs. Interpreted calls always run the kernel.
     q_regs: how many of the query's latent channels each consumer holds in
       registers for its QK, as in dense decode (`MLADecodeConfig.q_regs`;
       one of 0, 64, 128, 192). 128 measured fastest on the H200 (topk 2048,
@@ -391,7 +392,8 @@ def heuristic_config(
   splits = 1
   while ctas * splits * 2 <= num_sms and topk % (TILE * splits * 2) == 0:
     splits *= 2
-  return SparseMLADecodeConfig(num_splits=min(splits, MAX_SPLITS))
+  return SparseMLADecodeConfig(num_splits=min(splits, MAX_SPLITS),
+                               implementation="xla" if other_gpu() else "pallas")
 
 
 def config_from_entries(
@@ -411,7 +413,8 @@ def config_from_entries(
 
 
 def default_config(*, batch: int, num_heads: int, topk: int) -> SparseMLADecodeConfig:
-  """The tuned config of this device where one matches, else the heuristic."""
+  """The tuned config of this device where one matches, else the heuristic,
+  which runs the jnp reference on a GPU that cannot run the kernels."""
   tuned = load_tuning(OP, device_kind())
   if tuned is not None:
     config = config_from_entries(

@@ -12,7 +12,11 @@ from jax import lax
 from jaxtyping import Array, Float, Shaped
 
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
-from jaxkv.kernels._common import require_interpreter_threads, resolve_interpret
+from jaxkv.kernels._common import (
+    require_interpreter_threads,
+    require_kernel_device,
+    resolve_interpret,
+)
 from jaxkv.kernels.mla_decode.combine import combine_splits
 from jaxkv.kernels.mla_decode.layout import (
     HEAD_TILE,
@@ -118,6 +122,9 @@ def sparse_mla_decode(
       require_interpreter_threads(NUM_THREADS * cluster, "sparse_mla_decode")
     if interpret is None and config.implementation == "xla":
       return _reference(q, cache, indices, sm_scale=float(sm_scale), dv=dv, mask_mode=mask_mode)
+    if interpret is None:
+      require_kernel_device(
+          "sparse_mla_decode", "config=SparseMLADecodeConfig(implementation='xla')")
     return _sparse_mla_decode(
         q,
         cache,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxkv.kernels._common import _has_gpu, device_kind, load_tuning
+from jaxkv.kernels._common import device_kind, load_tuning, runs_kernels
 
 BACKENDS = ("xla", "pallas")
 # Shared memory of one H200 block is 232,448 bytes; leave room for several
@@ -55,8 +55,9 @@ def heuristic_config(layout: str, on_gpu: bool) -> WriteKVConfig:
 
   On the H200 the Pallas kernel beat XLA's scatter by 13-22% for a 61-layer
   cache (125 KB per token) and lost by 20-50% for an MLA cache (1 KB per
-  token): many-layer layouts get the kernel on a GPU. Without a GPU the
-  kernel would run in the interpreter, so XLA is the default there.
+  token): many-layer layouts get the kernel on a GPU that runs it (Hopper).
+  Elsewhere the kernel would run in the interpreter or not at all, so XLA is
+  the default there.
   """
   if on_gpu and "L" in layout:
     return WriteKVConfig("pallas", tokens_per_block=4)
@@ -72,6 +73,6 @@ def get_config(layout: str, kind: str | None = None) -> WriteKVConfig:
   kind = kind or device_kind()
   tuned = load_tuning("write_kv", kind)
   if tuned is None:
-    return heuristic_config(layout, on_gpu=_has_gpu())
+    return heuristic_config(layout, on_gpu=runs_kernels())
   entry = tuned.get("multi_layer") if "L" in layout else None
   return WriteKVConfig(**(entry or tuned["default"]))

@@ -1,0 +1,110 @@
+"""Which devices run the Pallas kernels compiled (NVIDIA Hopper GPUs), and what
+the decode ops do on any other: their default config runs the jnp reference,
+and a config that asks for the kernels gets a `ValueError` naming the device,
+before anything is launched."""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.kernels import _common
+from jaxkv.kernels.mla_decode import MLADecodeConfig, mla_decode, mla_decode_reference
+from jaxkv.kernels.mla_decode.config import default_config as dense_default
+from jaxkv.kernels.sparse_mla_decode import (
+    SparseMLADecodeConfig,
+    sparse_mla_decode,
+    sparse_mla_decode_reference,
+)
+from jaxkv.kernels.sparse_mla_decode.config import default_config as sparse_default
+from jaxkv.kernels.write_kv.config import get_config as write_kv_config
+
+import mla_problem as dense
+import sparse_problem as sparse
+
+A100 = ("NVIDIA A100-SXM4-80GB", "8.0")
+B200 = ("NVIDIA B200", "10.0")
+H100 = ("NVIDIA H100 80GB HBM3", "9.0")
+
+
+def gpu(kind, capability, platform="gpu"):
+  return types.SimpleNamespace(platform=platform, device_kind=kind,
+                               compute_capability=capability, core_count=108)
+
+
+def as_first_device(monkeypatch, device):
+  """Makes `device` the one configs and plans are picked for, and calls
+  compiled (a GPU present)."""
+  monkeypatch.setattr(_common, "first_device", lambda: device)
+  monkeypatch.setattr(_common, "_has_gpu", lambda: True)
+
+
+def test_the_kernels_run_on_hopper_alone():
+  assert _common.runs_kernels(gpu(*H100))
+  for device in (gpu(*A100), gpu(*B200), gpu("AMD Instinct MI300X", "gfx942", "rocm")):
+    assert not _common.runs_kernels(device) and _common.other_gpu(device)
+  cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+  assert not _common.runs_kernels(cpu) and not _common.other_gpu(cpu)
+  assert not _common.other_gpu(gpu(*H100))
+
+
+@pytest.mark.parametrize("device", [A100, B200])
+def test_another_gpu_runs_the_reference_by_default(monkeypatch, device):
+  as_first_device(monkeypatch, gpu(*device))
+  assert dense_default(batch=4, num_heads=64).implementation == "xla"
+  assert sparse_default(batch=4, num_heads=64, topk=128).implementation == "xla"
+  assert write_kv_config("LBNHC").backend == "xla"  # a many-layer layout
+  q, cache, table, lens = dense.problem(3, [70, 0, 129], 16)
+  cache = jnp.asarray(cache, jnp.bfloat16)
+  table, lens = jnp.asarray(table), jnp.asarray(lens)
+  for mode in ("select", "multiply"):
+    got = mla_decode(q, cache, table, lens, sm_scale=dense.SCALE, mask_mode=mode)
+    want = mla_decode_reference(q, cache, table, lens, sm_scale=dense.SCALE, mask_mode=mode)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  q, cache, idx = sparse.inputs(4, 3, 16, 128)
+  got = sparse_mla_decode(q, cache, idx, sm_scale=sparse.SCALE)
+  want = sparse_mla_decode_reference(q, cache, idx, sm_scale=sparse.SCALE)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_hopper_runs_the_kernels_by_default(monkeypatch):
+  as_first_device(monkeypatch, gpu(*H100))  # no tuned file: the heuristic
+  assert dense_default(batch=4, num_heads=64).implementation == "pallas"
+  assert write_kv_config("LBNHC").backend == "pallas"
+  assert sparse_default(batch=4, num_heads=64, topk=128).implementation == "pallas"
+  as_first_device(monkeypatch, gpu("NVIDIA H200", "9.0"))  # the tuned file
+  assert dense_default(batch=128, num_heads=64).implementation == "pallas"
+  assert sparse_default(batch=128, num_heads=64, topk=2048).implementation == "pallas"
+
+
+def test_the_kernels_asked_for_elsewhere_name_the_device(monkeypatch):
+  q, cache, table, lens = dense.problem(5, [70, 3], 16)
+  dense_args = (q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens))
+  sq, scache, idx = sparse.inputs(6, 2, 16, 128)
+
+  def calls(interpret=None):
+    yield lambda: mla_decode(*dense_args, sm_scale=dense.SCALE, interpret=interpret,
+                             config=MLADecodeConfig(implementation="pallas"))
+    yield lambda: sparse_mla_decode(sq, scache, idx, sm_scale=sparse.SCALE, interpret=interpret,
+                                    config=SparseMLADecodeConfig(implementation="pallas"))
+
+  # This machine's CPU, compiled on purpose.
+  for call in calls(interpret=False):
+    with pytest.raises(ValueError, match=r"Hopper GPUs .*not for the cpu device .*implementation='xla'"):
+      call()
+  as_first_device(monkeypatch, gpu(*A100))
+  for call in calls():
+    with pytest.raises(ValueError, match=r"not for the NVIDIA A100-SXM4-80GB \(compute capability 8.0\)"):
+      call()
+
+
+def test_implementation_is_checked():
+  with pytest.raises(ValueError, match="implementation='triton' must be one of"):
+    MLADecodeConfig(implementation="triton")
+  with pytest.raises(ValueError, match="implementation"):
+    SparseMLADecodeConfig(implementation="triton")
