@@ -90,10 +90,11 @@ KERNEL_CAPABILITY = "9.0"
 
 def runs_kernels(device=None) -> bool:
   """Whether `device` (default: the first) runs the Pallas kernels compiled: an
-  NVIDIA GPU of compute capability 9.0."""
+  NVIDIA GPU of compute capability 9.0 (or one that reports none, which
+  Mosaic GPU itself then compiles for as 9.0)."""
   device = device or first_device()
-  return (device.platform in ("gpu", "cuda")
-          and getattr(device, "compute_capability", None) == KERNEL_CAPABILITY)
+  capability = getattr(device, "compute_capability", None)
+  return device.platform in ("gpu", "cuda") and capability in (KERNEL_CAPABILITY, None)
 
 
 def other_gpu(device=None) -> bool:

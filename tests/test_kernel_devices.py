@@ -44,6 +44,7 @@ def as_first_device(monkeypatch, device):
 
 def test_the_kernels_run_on_hopper_alone():
   assert _common.runs_kernels(gpu(*H100))
+  assert _common.runs_kernels(gpu("NVIDIA H200", None))  # none reported: Mosaic GPU's 9.0
   for device in (gpu(*A100), gpu(*B200), gpu("AMD Instinct MI300X", "gfx942", "rocm")):
     assert not _common.runs_kernels(device) and _common.other_gpu(device)
   cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
