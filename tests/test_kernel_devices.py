@@ -1,7 +1,8 @@
 """Which devices run the Pallas kernels compiled (NVIDIA Hopper GPUs), and what
-the decode ops do on any other: their default config runs the jnp reference,
-and a config that asks for the kernels gets a `ValueError` naming the device,
-before anything is launched."""
+the ops do on any other: their default config runs the jnp form (the decode
+references, zero_blocks' scatter, write_kv's scatter), and a config that asks
+for a kernel gets a `ValueError` naming the device, before anything is
+launched."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from jaxkv.kernels.sparse_mla_decode import (
 )
 from jaxkv.kernels.sparse_mla_decode.config import default_config as sparse_default
 from jaxkv.kernels.write_kv.config import get_config as write_kv_config
+from jaxkv.kernels.zero_blocks import ZeroBlocksConfig, zero_blocks, zero_blocks_reference
+from jaxkv.kernels.zero_blocks.config import get_config as zero_blocks_config
 
 import mla_problem as dense
 import sparse_problem as sparse
@@ -58,6 +61,7 @@ def test_another_gpu_runs_the_reference_by_default(monkeypatch, device):
   assert dense_default(batch=4, num_heads=64).implementation == "xla"
   assert sparse_default(batch=4, num_heads=64, topk=128).implementation == "xla"
   assert write_kv_config("LBNHC").backend == "xla"  # a many-layer layout
+  assert zero_blocks_config(1152).implementation == "xla"
   q, cache, table, lens = dense.problem(3, [70, 0, 129], 16)
   cache = jnp.asarray(cache, jnp.bfloat16)
   table, lens = jnp.asarray(table), jnp.asarray(lens)
@@ -77,6 +81,7 @@ def test_hopper_runs_the_kernels_by_default(monkeypatch):
   as_first_device(monkeypatch, gpu(*H100))  # no tuned file: the heuristic
   assert dense_default(batch=4, num_heads=64).implementation == "pallas"
   assert write_kv_config("LBNHC").backend == "pallas"
+  assert zero_blocks_config(1152).implementation == "pallas"
   assert sparse_default(batch=4, num_heads=64, topk=128).implementation == "pallas"
   as_first_device(monkeypatch, gpu("NVIDIA H200", "9.0"))  # the tuned file
   assert dense_default(batch=128, num_heads=64).implementation == "pallas"
@@ -93,6 +98,8 @@ def test_the_kernels_asked_for_elsewhere_name_the_device(monkeypatch):
                              config=MLADecodeConfig(implementation="pallas"))
     yield lambda: sparse_mla_decode(sq, scache, idx, sm_scale=sparse.SCALE, interpret=interpret,
                                     config=SparseMLADecodeConfig(implementation="pallas"))
+    yield lambda: zero_blocks(jnp.ones((4, 8, 64), jnp.bfloat16), jnp.asarray([1]), layout="BNC",
+                              interpret=interpret, config=ZeroBlocksConfig(implementation="pallas"))
 
   # This machine's CPU, compiled on purpose.
   for call in calls(interpret=False):
@@ -104,8 +111,34 @@ def test_the_kernels_asked_for_elsewhere_name_the_device(monkeypatch):
       call()
 
 
+@pytest.mark.parametrize(
+    "layout, shape, block_size",
+    [
+        ("BNC", (12, 4, 576), 8),  # MLA rows, two kernel blocks a logical one
+        ("LBNHC", (3, 8, 4, 2, 16), 4),  # many layers: a run per layer
+        ("BHCN", (8, 2, 3, 4), 8),  # slot axis innermost: a row per element
+    ],
+)
+def test_zero_blocks_scatters_on_another_gpu(monkeypatch, layout, shape, block_size):
+  """The scatter zeroes exactly the named blocks' and tails' bytes, every
+  other byte (NaN payloads included) as it was, as the reference does."""
+  as_first_device(monkeypatch, gpu(*A100))
+  raw = np.random.default_rng(9).integers(1, 2**16, size=shape, dtype=np.uint16)
+  cache = jnp.asarray(raw.view(jnp.bfloat16))
+  # Tails whose runs end where a kept row starts (block 2's first slots).
+  ids = jnp.asarray([3, -1, 0], jnp.int32)
+  tails = (jnp.asarray([1, 2, -1], jnp.int32), jnp.asarray([3, 2, 1], jnp.int32))
+  got = zero_blocks(cache, ids, layout=layout, block_size=block_size, tails=tails)
+  want = zero_blocks_reference(cache, ids, layout=layout, block_size=block_size, tails=tails)
+  got, want = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+  np.testing.assert_array_equal(got, want)
+  assert (want == 0).any() and (want == raw).any()
+
+
 def test_implementation_is_checked():
   with pytest.raises(ValueError, match="implementation='triton' must be one of"):
     MLADecodeConfig(implementation="triton")
   with pytest.raises(ValueError, match="implementation"):
     SparseMLADecodeConfig(implementation="triton")
+  with pytest.raises(ValueError, match="implementation"):
+    ZeroBlocksConfig(implementation="triton")

@@ -133,8 +133,9 @@ def sparse_problem(heads, topk=256):
         # The stream's runs cut rows 1 and 2, whose pieces the merge kernel
         # joins: row 2's first piece alone is NaN.
         ("stream, float16 partials", SparseMLADecodeConfig(parts=3, f16_partials=True)),
+        # (The merge kernel's case is the stream's: splits take the same
+        # `weighted_merge`, as clusters do.)
         ("two splits in clusters", SparseMLADecodeConfig(num_splits=2, cluster_merge=True)),
-        ("two splits, merge kernel", SparseMLADecodeConfig(num_splits=2, cluster_merge=False)),
         ("rows in halves, XLA merge",
          SparseMLADecodeConfig(cut_rows=4, pieces=2, cluster_merge=False, combine="xla")),
     ],

@@ -37,7 +37,8 @@ def test_cluster_merge(heads, mode, splits):
   rounding with the same LSE. Row 1 has no valid index; row 0's last split
   none (at 96 heads the last head group's real rows are stored alone; at 16
   heads the queries are float32, and so is the result). Clusters of 8 run
-  rows 0 and 1 alone, for the interpreter's time."""
+  rows 0 and 1 alone and against the reference alone, for the interpreter's
+  time."""
   batch = 2 if splits == 8 else 3
   q, cache, idx = inputs(40 + splits, batch, heads, 64 * splits, dead_rows=(1,))
   idx = idx.at[0, -64:].set(-1)
@@ -52,6 +53,8 @@ def test_cluster_merge(heads, mode, splits):
   ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
   live = np.asarray([0, 2][:batch - 1])
   check(out[live], lse[live], ref_out[live], ref_lse[live])
+  if splits == 8:
+    return
   comb_out, comb_lse = run_decode(q, cache, idx, mode, splits, interpret=FAST, cluster_merge=False)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(comb_out, np.float32),
                              rtol=2**-7, atol=1e-6)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxkv.kernels._common import device_kind, load_tuning
+from jaxkv.kernels._common import device_kind, load_tuning, other_gpu
 
 # An H200 has 132 SMs; two CTAs per SM keep TMA stores in flight while one CTA
 # reads its next work item.
 _DEFAULT_CTAS = 264
 _MAX_TMA_BOX = 256  # elements per TMA box dimension
+IMPLEMENTATIONS = ("pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +28,17 @@ class ZeroBlocksConfig:
     num_ctas: CTAs of the persistent grid; each walks the work items
       `cta, cta + num_ctas, ...`.
     prefetch: work items a CTA loads ahead of the one it is storing.
+    implementation: what a compiled (non-interpreted) call runs: "pallas"
+      (the Mosaic GPU kernel; a Hopper GPU, compute capability 9.0) or
+      "xla" (a scatter of zeros into exactly the same rows, in place on a
+      donated cache: any device). The default is "xla" on other GPUs.
   """
 
   tile_bytes: int = 32 * 1024
   item_rows: int = 256
   num_ctas: int = _DEFAULT_CTAS
   prefetch: int = 2
+  implementation: str = "pallas"
 
   def __post_init__(self):
     if not 16 <= self.tile_bytes <= 200 * 1024:
@@ -43,6 +49,8 @@ class ZeroBlocksConfig:
       raise ValueError(f"{self.num_ctas=} must be in [1, 65535].")
     if not 1 <= self.prefetch <= 8:
       raise ValueError(f"{self.prefetch=} must be in [1, 8].")
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}.")
 
   def rows_per_tile(self, row_bytes: int) -> int:
     """Rows of the SMEM zero tile for rows of `row_bytes` bytes (power of 2)."""
@@ -63,11 +71,12 @@ def get_config(row_bytes: int, kind: str | None = None) -> ZeroBlocksConfig:
   """The tuned config for rows of `row_bytes` bytes, else the heuristic one.
 
   The JSON maps `"default"` and optionally `"row_bytes=<n>"` to config fields;
-  the most specific entry wins.
+  the most specific entry wins. Untuned, the defaults, with the scatter on a
+  GPU that cannot run the kernel.
   """
   tuned = load_tuning("zero_blocks", kind or device_kind())
   if not tuned:
-    return ZeroBlocksConfig()
+    return ZeroBlocksConfig(implementation="xla" if other_gpu() else "pallas")
   entry = dict(tuned.get("default", {}))
   entry.update(tuned.get(f"row_bytes={row_bytes}", {}))
   return ZeroBlocksConfig.from_dict(entry)

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Shaped
 
-from jaxkv.kernels._common import resolve_interpret
+from jaxkv.kernels._common import require_kernel_device, resolve_interpret
 from jaxkv.kernels.zero_blocks import kernel as _kernel
 from jaxkv.kernels.zero_blocks.config import ZeroBlocksConfig, get_config
 from jaxkv.kernels.zero_blocks.reference import block_geometry, check_layout
@@ -107,7 +107,8 @@ def _ax(x, ndim, axis):
 def _pieces(first, count, max_count, ok, item_rows, scale):
   """Flattens runs to `[n, 2]` items, splitting runs longer than item_rows.
 
-  Runs are given in slot rows and returned in view rows (`scale` per slot).
+  Runs are given in slot rows and returned in view rows (`scale` per slot),
+  with the most rows an item may hold (a static int).
   """
   first, count = jnp.broadcast_arrays(first, jnp.asarray(count, jnp.int32))
   first, count, max_count = first * scale, count * scale, max_count * scale
@@ -119,7 +120,16 @@ def _pieces(first, count, max_count, ok, item_rows, scale):
     q = jnp.arange(n, dtype=jnp.int32).reshape(1, n) * item_rows
     first = (first[:, None] + q).reshape(-1)
     count = jnp.clip(count[:, None] - q, 0, item_rows).reshape(-1)
-  return jnp.stack([first, count], axis=1).astype(jnp.int32)
+  return jnp.stack([first, count], axis=1).astype(jnp.int32), min(max_count, item_rows)
+
+
+def _scatter_zeros(rows, items, item_rows: int):
+  """The kernel's work as one XLA scatter: zeros into the `count` rows from
+  `first` of each item (`[n, 2]`, at most `item_rows` rows each) and no
+  other; in place where the cache is donated."""
+  offsets = jnp.arange(item_rows, dtype=jnp.int32)[None, :]
+  idx = jnp.where(offsets < items[:, 1:], items[:, :1] + offsets, rows.shape[0])
+  return rows.at[idx.reshape(-1)].set(jnp.zeros((), rows.dtype), mode="drop")
 
 
 def _as_int_array(x, name):
@@ -233,7 +243,10 @@ def zero_blocks(
     tails: optional `(tail_ids [tails], valid_slots [tails])`: for each logical
       block id (-1 padding) zero the slots at or past `valid_slots`.
     interpret: `None`, `True`, `False` or a `plgpu.InterpretGPUParams`.
-    config: tuning override; default from the tuned JSON or the heuristic.
+    config: tuning override; default from the tuned JSON or the heuristic. A
+      compiled call runs `config.implementation`: the kernel needs a Hopper
+      GPU (a `ValueError` names any other device); "xla" (a scatter of the
+      same zeros) runs anywhere and is the default on other GPUs.
 
   Returns:
     The cache (same shape and dtype) with exactly those slots zeroed.
@@ -281,7 +294,13 @@ def zero_blocks(
     if tids.shape[0]:
       parts.append(_pieces(*geo.tail_runs(tids, vals), (tids >= 0) & (tids < nlb),
                            cfg.item_rows, scale))
-    items = jnp.concatenate(parts, axis=0)
+    items = jnp.concatenate([p for p, _ in parts], axis=0)
     rows = _to_rows(cache, view_width, unit)
-    out = _launch(rows, items, cfg, resolve_interpret(interpret), tma=tma)
+    interpret = resolve_interpret(interpret)
+    if interpret is None and cfg.implementation == "xla":
+      out = _scatter_zeros(rows, items, max(n for _, n in parts))
+    else:
+      if interpret is None:
+        require_kernel_device("zero_blocks", "config=ZeroBlocksConfig(implementation='xla')")
+      out = _launch(rows, items, cfg, interpret, tma=tma)
     return _from_rows(out, cache.shape, cache.dtype)
