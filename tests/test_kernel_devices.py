@@ -21,6 +21,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode_reference,
 )
 from jaxkv.kernels.sparse_mla_decode.config import default_config as sparse_default
+from jaxkv.kernels.write_kv import write_kv
 from jaxkv.kernels.write_kv.config import get_config as write_kv_config
 from jaxkv.kernels.zero_blocks import ZeroBlocksConfig, zero_blocks, zero_blocks_reference
 from jaxkv.kernels.zero_blocks.config import get_config as zero_blocks_config
@@ -100,10 +101,13 @@ def test_the_kernels_asked_for_elsewhere_name_the_device(monkeypatch):
                                     config=SparseMLADecodeConfig(implementation="pallas"))
     yield lambda: zero_blocks(jnp.ones((4, 8, 64), jnp.bfloat16), jnp.asarray([1]), layout="BNC",
                               interpret=interpret, config=ZeroBlocksConfig(implementation="pallas"))
+    yield lambda: write_kv(jnp.zeros((2, 4, 3, 8, 64), jnp.bfloat16),
+                           jnp.ones((1, 2, 8, 64), jnp.bfloat16), jnp.asarray([1]),
+                           layout="LBNHC", interpret=interpret, backend="pallas")
 
   # This machine's CPU, compiled on purpose.
   for call in calls(interpret=False):
-    with pytest.raises(ValueError, match=r"Hopper GPUs .*not for the cpu device .*implementation='xla'"):
+    with pytest.raises(ValueError, match=r"Hopper GPUs .*not for the cpu device .*='xla'"):
       call()
   as_first_device(monkeypatch, gpu(*A100))
   for call in calls():

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Shaped
 
-from jaxkv.kernels._common import resolve_interpret
+from jaxkv.kernels._common import require_kernel_device, resolve_interpret
 from jaxkv.kernels.write_kv import kernel as _kernel
 from jaxkv.kernels.write_kv.config import BACKENDS, WriteKVConfig, get_config
 from jaxkv.kernels.write_kv.reference import (
@@ -70,7 +70,8 @@ def write_kv(
     block_size: logical block size, a multiple of the N extent (default N).
     interpret: see `resolve_interpret`; used by the Pallas backend only.
     backend: "xla" or "pallas"; default from the tuned config (on the
-      H200: Pallas for layouts with an L axis, XLA otherwise).
+      H200: Pallas for layouts with an L axis, XLA otherwise; XLA on GPUs
+      other than Hopper, where a compiled "pallas" is a `ValueError`).
     config: tuning; default the tuned config of this device kind.
 
   Returns:
@@ -93,6 +94,9 @@ def write_kv(
       )
     if kv.shape[0] == 0:
       return cache
+    interpret = resolve_interpret(interpret) if backend == "pallas" else None
+    if backend == "pallas" and interpret is None:
+      require_kernel_device("write_kv", "backend='xla'")
     return _write(
         cache,
         kv,
@@ -100,7 +104,7 @@ def write_kv(
         layout=layout,
         backend=backend,
         config=config,
-        interpret=resolve_interpret(interpret) if backend == "pallas" else None,
+        interpret=interpret,
     )
 
 
