@@ -116,8 +116,8 @@ def require_kernel_device(kernel: str, fallback: str) -> None:
       f"{device.platform} device {device.device_kind!r}")
   raise ValueError(
       f"{kernel}'s Pallas kernel compiles for NVIDIA Hopper GPUs (compute capability"
-      f" {KERNEL_CAPABILITY}) alone, not for the {what}: pass {fallback} (the jnp"
-      " reference: the same results, unfused) or interpret=True"
+      f" {KERNEL_CAPABILITY}) alone, not for the {what}: pass {fallback} (the same"
+      " results without the kernel) or interpret=True"
   )
 
 
