@@ -64,6 +64,24 @@ def test_bad_inputs(change, match):
     mla_decode(q, cache, table, lens, **args)
 
 
+def test_a_step_without_rows_returns_empty_results():
+  """Batch 0 (a step of prefills alone): empty results of the right shapes and
+  dtypes, nothing launched; its inputs are still validated; a plan for it is
+  refused by name (there is nothing to plan)."""
+  cache = jnp.zeros((4, 64, 576), jnp.bfloat16)
+  q = jnp.zeros((0, 16, 576), jnp.bfloat16)
+  table, lens = jnp.zeros((0, 3), jnp.int32), jnp.zeros((0,), jnp.int32)
+  out, lse = mla_decode(q, cache, table, lens, sm_scale=SCALE)
+  assert out.shape == (0, 16, 512) and out.dtype == jnp.bfloat16
+  assert lse.shape == (0, 16) and lse.dtype == jnp.float32
+  out, lse = jax.jit(lambda *a: mla_decode(*a, sm_scale=SCALE))(q, cache, table, lens)
+  assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
+  with pytest.raises(ValueError, match=r"block_table\.dtype"):
+    mla_decode(q, cache, table.astype(jnp.float32), lens, sm_scale=SCALE)
+  with pytest.raises(ValueError, match=r"seq_lens\.shape=\(0,\) must be \[batch\] with batch >= 1"):
+    mla_decode_plan(lens, num_heads=16)
+
+
 def test_profiler_needs_a_compiled_kernel():
   from jaxkv.kernels.mla_decode import kernel
 

@@ -176,6 +176,20 @@ def test_bad_inputs(change, name):
     sparse_mla_decode(*change(q, cache, idx), sm_scale=SCALE)
 
 
+def test_a_step_without_rows_returns_empty_results():
+  """Batch 0: empty results of the right shapes and dtypes, nothing launched;
+  the inputs still validated."""
+  _, cache, _ = inputs(0, 1, 16, 64)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    out, lse = sparse_mla_decode(jnp.zeros((0, 16, 576), dtype), cache,
+                                 jnp.zeros((0, 128), jnp.int32), sm_scale=SCALE)
+    assert out.shape == (0, 16, 512) and out.dtype == dtype
+    assert lse.shape == (0, 16) and lse.dtype == jnp.float32
+  with pytest.raises(ValueError, match=r"indices\.shape"):
+    sparse_mla_decode(jnp.zeros((0, 16, 576), jnp.bfloat16), cache,
+                      jnp.zeros((0, 100), jnp.int32), sm_scale=SCALE)
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [({"dv": 256}, "dv"), ({"mask_mode": "zero"}, "mask_mode"),

@@ -99,6 +99,10 @@ def mla_decode_plan(
   if block_size not in BLOCK_SIZES:
     raise ValueError(f"{block_size=} must be one of {BLOCK_SIZES}")
   batch = seq_lens.shape[0]
+  if seq_lens.ndim != 1 or batch == 0:
+    raise ValueError(
+        f"{seq_lens.shape=} must be [batch] with batch >= 1 (a step without decode rows"
+        " needs no plan: mla_decode of batch 0 returns empty results)")
   if num_sms is None:
     num_sms = device_sms()
   if config is None:

@@ -132,9 +132,12 @@ def mla_decode(
     `out` `[batch, heads, 512]` in q's dtype and `lse` `[batch, heads]`
     float32 (natural log). A NaN in a head's query or in a slot the row
     holds (below its `seq_len`) gives that head NaN `out` and `lse`, as the
-    reference does, whatever the split plan and merge.
+    reference does, whatever the split plan and merge. A batch of 0 rows
+    gets empty results, with nothing launched.
   """
   _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, config)
+  if q.shape[0] == 0:  # a step without decode rows: nothing to read or launch
+    return jnp.zeros((0, q.shape[1], dv), q.dtype), jnp.zeros((0, q.shape[1]), jnp.float32)
   interpret = resolve_interpret(interpret)
   if interpret is not None:
     require_interpreter_threads(_layout.NUM_THREADS, "mla_decode")

@@ -68,7 +68,8 @@ def sparse_mla_decode(
   often as they appear; a row without a valid entry gives `out` 0 and `lse`
   -inf; a NaN in a valid entry's slot or a head's query gives NaN `out` and
   `lse` at the heads it reaches, whichever splits, pieces or merge the call
-  runs. Works under `jax.jit` with traced indices.
+  runs; a batch of 0 rows gets empty results, with nothing launched. Works
+  under `jax.jit` with traced indices.
 
   Args:
     q: `[batch, heads, 576]` bf16 or float32 queries (1 to 128 heads; cast to
@@ -94,6 +95,8 @@ def sparse_mla_decode(
   with jax.named_scope("jaxkv.sparse_mla_decode"):
     _validate(q, cache, indices, dv, mask_mode)
     batch, heads, _ = q.shape
+    if batch == 0:  # a step without decode rows: nothing to read or launch
+      return jnp.zeros((0, heads, dv), q.dtype), jnp.zeros((0, heads), jnp.float32)
     topk = indices.shape[1]
     if config is None:
       config = default_config(batch=batch, num_heads=heads, topk=topk)
@@ -156,8 +159,8 @@ def _validate(q, cache, indices, dv, mask_mode) -> None:
     raise ValueError(
         f"{q.shape=} {q.dtype=} must be [batch, heads, {MLA_HEAD_DIM}] bf16/f32"
     )
-  if not 1 <= q.shape[1] <= MAX_HEADS or q.shape[0] < 1:
-    raise ValueError(f"{q.shape=} must have 1 to {MAX_HEADS} heads and batch >= 1")
+  if not 1 <= q.shape[1] <= MAX_HEADS:
+    raise ValueError(f"{q.shape=} must have 1 to {MAX_HEADS} heads")
   if cache.ndim != 3 or cache.shape[-1] != MLA_HEAD_DIM or cache.dtype != jnp.bfloat16:
     raise ValueError(
         f"{cache.shape=} {cache.dtype=} must be [num_blocks, block_size,"
