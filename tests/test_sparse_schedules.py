@@ -67,8 +67,8 @@ def test_rows_cut_into_pieces(heads, pieces):
   merged after the kernel, beside a whole row: halves of one and two tiles
   (a three-tile list), or four pieces of one, one, one and two tiles (five).
   Row 1's first half (first three pieces) holds no valid index, row 2 none
-  at all. At 16 heads the clean call runs with the race detector on. At 16
-  and 64 heads, XLA's combine gives the reference's result in the same rows.
+  at all. At 16 heads the clean call runs with the race detector on, and
+  XLA's combine gives the reference's result in the same rows.
   At 16 heads and in four pieces also: the whole row is bit for bit what
   `cut_rows=0` gives; NaN in slot 0 and in every slot no row indexes leaves
   "select" bit-equal to clean memory, and "multiply" gives NaN exactly where
@@ -90,11 +90,11 @@ def test_rows_cut_into_pieces(heads, pieces):
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse[2]) == -np.inf).all()
   if heads == 128:
     return
-  # The same pieces merged by XLA's combine into the same rows.
-  xla_out, xla_lse = run(cache, "select", config=SparseMLADecodeConfig(
-      cut_rows=2, pieces=pieces, combine="xla"))
-  check(xla_out[:2], xla_lse[:2], ref_out[:2], ref_lse[:2])
-  assert (np.asarray(xla_out[2], np.float32) == 0).all()
+  if heads == 16:  # the same pieces merged by XLA's combine into the same rows
+    xla_out, xla_lse = run(cache, "select", config=SparseMLADecodeConfig(
+        cut_rows=2, pieces=pieces, combine="xla"))
+    check(xla_out[:2], xla_lse[:2], ref_out[:2], ref_lse[:2])
+    assert (np.asarray(xla_out[2], np.float32) == 0).all()
   whole_out, whole_lse = run(cache, "select", config=SparseMLADecodeConfig(cut_rows=0))
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), np.asarray(whole_out[0], np.float32))
   np.testing.assert_array_equal(np.asarray(lse[0]), np.asarray(whole_lse[0]))
