@@ -396,3 +396,14 @@ def test_block_sizes_32_and_128(bs, seq_lens, heads, max_blocks):
   np.testing.assert_allclose(np.asarray(lse), np.asarray(clean_ref[1]), rtol=1e-3, atol=1e-3)
   good = ~nan_rows
   np.testing.assert_allclose(out[good], np.asarray(clean_ref[0], np.float32)[good], rtol=2e-2, atol=2e-2)
+
+
+def test_float32_queries():
+  """float32 queries are cast to bf16 for the kernels and their result back to
+  float32: bit for bit the bf16 queries' result (these queries are bf16 values)."""
+  q, cache, table, lens = problem(9, [2 * BS + 5, 7], 16)
+  out, lse = run_decode(q.astype(jnp.float32), cache, table, lens, splits=1)
+  assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+  out16, lse16 = run_decode(q, cache, table, lens, splits=1)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(out16, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))

@@ -34,7 +34,7 @@ def _bad_plan(**change):
     "change,match",
     [
         (dict(q=jnp.zeros((2, 4, 512), jnp.bfloat16)), "q.shape"),
-        (dict(q=jnp.zeros((2, 4, 576), jnp.float32)), "q.dtype"),
+        (dict(q=jnp.zeros((2, 4, 576), jnp.float16)), "q.dtype"),
         (dict(cache=jnp.zeros((4, 16, 576), jnp.bfloat16)), "block_size"),
         (dict(cache=jnp.zeros((4, 96, 576), jnp.bfloat16)), "block_size"),
         (dict(cache=jnp.zeros((4, 64, 576), jnp.float16)), "cache.dtype"),

@@ -42,8 +42,8 @@ def _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, co
   batch, heads, _ = q.shape
   if not 1 <= heads <= MAX_HEADS:
     raise ValueError(f"{q.shape=}: heads must be in [1, {MAX_HEADS}]")
-  if q.dtype != jnp.bfloat16:
-    raise ValueError(f"{q.dtype=} must be bfloat16")
+  if q.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"{q.dtype=} must be bfloat16 or float32")
   if cache.ndim != 3 or cache.shape[-1] != MLA_HEAD_DIM:
     raise ValueError(f"{cache.shape=} must be [num_blocks, block_size, {MLA_HEAD_DIM}]")
   if cache.shape[1] not in SUPPORTED_BLOCK_SIZES:
@@ -103,9 +103,11 @@ def mla_decode(
   than by shape annotations, so that any mismatch reads the same.
 
   Args:
-    q: `[batch, heads, 576]` bf16 queries, heads in [1, 128] (computed in
-      groups of 64; a multiple of 8 goes in as it is, other counts are
-      padded to the group around the kernels, an XLA op each way).
+    q: `[batch, heads, 576]` bf16 or float32 queries, heads in [1, 128]
+      (computed in groups of 64; a multiple of 8 goes in as it is, other
+      counts are padded to the group around the kernels, an XLA op each
+      way). The kernels take float32 queries cast to bf16 (an XLA op), and
+      their bf16 result is cast back.
     cache: `[num_blocks, block_size, 576]` bf16 latent cache (512 latent +
       64 RoPE), block_size 32, 64 or 128.
     block_table: `[batch, max_blocks]` int32, padded with 0 (never read past
@@ -151,11 +153,12 @@ def mla_decode(
       require_kernel_device("mla_decode", "config=MLADecodeConfig(implementation='xla')")
     if plan is None:
       plan = mla_decode_plan(seq_lens, num_heads=q.shape[1], block_size=cache.shape[1], config=config)
-    return _mla_decode(
-        q, cache, block_table, seq_lens, plan,
+    out, lse = _mla_decode(
+        q.astype(jnp.bfloat16), cache, block_table, seq_lens, plan,
         sm_scale=float(sm_scale), select=mask_mode == "select",
         interpret=interpret, kv_swizzle=config.kv_swizzle, q_regs=config.q_regs,
     )
+    return out.astype(q.dtype), lse
 
 
 _reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "mask_mode"))
