@@ -50,11 +50,12 @@ def poison_unselected(cache, idx):
 
 
 def run_decode(q, cache, idx, mode, splits=1, interpret=INTERPRET, q_regs=0, stage_out=True,
-         cluster_merge=None, combine="kernel"):
+         cluster_merge=None, combine="kernel", f16_partials=True):
   return sparse_mla_decode(
       q, cache, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,
       config=SparseMLADecodeConfig(num_splits=splits, q_regs=q_regs, stage_out=stage_out,
-                                   cluster_merge=cluster_merge, combine=combine),
+                                   cluster_merge=cluster_merge, combine=combine,
+                                   f16_partials=f16_partials),
   )
 
 
