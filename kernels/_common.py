@@ -105,6 +105,17 @@ def other_gpu(device=None) -> bool:
   return device.platform in ("gpu", "cuda", "rocm") and not runs_kernels(device)
 
 
+# What a compiled call of an op with a jnp form runs: its kernel or XLA (the
+# ops' configs' `implementation`).
+IMPLEMENTATIONS = ("pallas", "xla")
+
+
+def default_implementation() -> str:
+  """The ops' default `implementation`: XLA where the first device is a GPU
+  that cannot run the kernels, else the kernel (interpreted on a CPU)."""
+  return "xla" if other_gpu() else "pallas"
+
+
 def require_kernel_device(kernel: str, fallback: str) -> None:
   """A `ValueError` before a compiled launch of `kernel` on a device that
   cannot run it, naming the device and what runs there instead (`fallback`)."""

@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxkv.kernels._common import device_kind, load_tuning, other_gpu
+from jaxkv.kernels._common import (
+    IMPLEMENTATIONS,
+    default_implementation,
+    device_kind,
+    load_tuning,
+)
 from jaxkv.kernels._common import num_sms as device_sms
 
 OP = "mla_decode"
@@ -14,8 +19,6 @@ MAX_SPLITS = 256
 KV_SWIZZLES = (64, 128)
 # Latent query channels the consumers keep in registers (`MLADecodeConfig.q_regs`).
 Q_REGS = (0, 64, 128, 192)
-# What a compiled call runs (`MLADecodeConfig.implementation`).
-IMPLEMENTATIONS = ("pallas", "xla")
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -107,7 +110,7 @@ def heuristic_config(*, batch: int, num_heads: int, num_sms: int | None = None) 
       # and the query's first 128 channels in registers shorten further.
       kv_swizzle=128 if head_groups == 1 else 64,
       q_regs=0 if head_groups == 1 else 128,
-      implementation="xla" if other_gpu() else "pallas",
+      implementation=default_implementation(),
   )
 
 

@@ -6,7 +6,13 @@ import dataclasses
 import functools
 from typing import Any, NamedTuple
 
-from jaxkv.kernels._common import DEFAULT_SMS, device_kind, load_tuning, other_gpu
+from jaxkv.kernels._common import (
+    DEFAULT_SMS,
+    IMPLEMENTATIONS,
+    default_implementation,
+    device_kind,
+    load_tuning,
+)
 from jaxkv.kernels._common import num_sms as device_sms
 from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
 from jaxkv.kernels.sparse_mla_decode.stream import cut_boundaries
@@ -14,7 +20,6 @@ from jaxkv.kernels.sparse_mla_decode.stream import cut_boundaries
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
 TILE = 64  # indices per kernel step; the kernel's tile is this one
-IMPLEMENTATIONS = ("xla", "pallas")
 COMBINES = ("kernel", "xla")
 # Split counts whose CTAs can merge a row in the kernel, as one cluster
 # (`SparseMLADecodeConfig.cluster_merge`): each CTA merges 512 / splits value
@@ -396,7 +401,7 @@ def heuristic_config(
   while ctas * splits * 2 <= num_sms and topk % (TILE * splits * 2) == 0:
     splits *= 2
   return SparseMLADecodeConfig(num_splits=min(splits, MAX_SPLITS),
-                               implementation="xla" if other_gpu() else "pallas")
+                               implementation=default_implementation())
 
 
 def config_from_entries(

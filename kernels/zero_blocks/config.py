@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxkv.kernels._common import device_kind, load_tuning, other_gpu
+from jaxkv.kernels._common import (
+    IMPLEMENTATIONS,
+    default_implementation,
+    device_kind,
+    load_tuning,
+)
 
 # An H200 has 132 SMs; two CTAs per SM keep TMA stores in flight while one CTA
 # reads its next work item.
 _DEFAULT_CTAS = 264
 _MAX_TMA_BOX = 256  # elements per TMA box dimension
-IMPLEMENTATIONS = ("pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,7 @@ def get_config(row_bytes: int, kind: str | None = None) -> ZeroBlocksConfig:
   """
   tuned = load_tuning("zero_blocks", kind or device_kind())
   if not tuned:
-    return ZeroBlocksConfig(implementation="xla" if other_gpu() else "pallas")
+    return ZeroBlocksConfig(implementation=default_implementation())
   entry = dict(tuned.get("default", {}))
   entry.update(tuned.get(f"row_bytes={row_bytes}", {}))
   return ZeroBlocksConfig.from_dict(entry)
