@@ -1,7 +1,9 @@
 """Dense MLA decode's float16 partials: the decode kernel's scaled float16
-partials (staged through a segment's last KV stage and stored by TMA) against
-its float32 ones, the per-split ring merge of them against its merge of the
-same values in float32, and the whole call on values past float16's range."""
+partials (staged through a segment's last KV stage and stored by TMA, or for
+the grouped merge stored from registers in its column slices) against its
+float32 ones, the per-split ring's and the grouped merge of them against
+their merge of the same values in float32, and the whole call on values past
+float16's range."""
 
 from __future__ import annotations
 
@@ -27,6 +29,17 @@ from mla_problem import (
 )
 
 
+def narrow(o, lse, scale=None):
+  """The grouped merge's layout (`merge_tiling.wide_partials`; the scales
+  `[batch, groups, 2, splits, 64]`) back in the per-split ring's."""
+  batch, _, groups, splits, rows, _ = o.shape
+  o = o.transpose(0, 3, 2, 4, 1, 5).reshape(batch, splits, groups * rows, -1)
+  lse = lse.transpose(0, 2, 1, 3).reshape(batch, splits, groups * rows)
+  if scale is None:
+    return o, lse
+  return o, lse, scale.transpose(0, 3, 2, 1, 4).reshape(batch, splits, 2, groups * rows)
+
+
 def varied_cache(cache, table, seed):
   """The cache with each block scaled by its own power of ten in [1e-3, 1e3],
   and row 0's blocks by 3e5: partials from far below 1 to past float16's
@@ -37,14 +50,16 @@ def varied_cache(cache, table, seed):
   return cache * factor[:, None, None]
 
 
-@pytest.mark.parametrize("heads, select", [(64, True), (40, False)])
-def test_kernel_partials_are_its_float32_ones_scaled_and_rounded(heads, select):
+@pytest.mark.parametrize("heads, select, cols", [(64, True, None), (40, False, None),
+                                                 (40, True, 8)])
+def test_kernel_partials_are_its_float32_ones_scaled_and_rounded(heads, select, cols):
   """Each segment's float16 partial is, bit for bit, its float32 partial divided
   by the scale and rounded; the scale is the least power of two at or above
   each half row's largest |o| (values up to ~1e5, past float16's range); the
   LSE is the float32 build's. 40 heads: the last head group's real rows alone
   (the staged store's short branch). The race detector watches the stage that
-  is held until the copy has read it."""
+  is held until the copy has read it. `cols`: the grouped merge's layout,
+  stored from registers in slices of 8 channels."""
   from jaxkv.kernels.mla_decode import kernel
 
   seq_lens = [5 * BS - 3, 2 * BS, BS + 1, 3 * BS + 7]
@@ -61,12 +76,14 @@ def test_kernel_partials_are_its_float32_ones_scaled_and_rounded(heads, select):
     call = kernel.build_kernel(
         batch=len(lens), heads_padded=hp, num_parts=plan.num_parts, num_splits=plan.num_splits,
         block_size=BS, sm_scale=SCALE, select=select, interpret=RACES if f16 else FAST,
-        q_heads=heads, f16_partials=f16)
-    return call(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+        q_heads=heads, f16_partials=f16, partial_cols=cols)
+    outs = call(q, jnp.asarray(cache, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
                 plan.row_start, plan.part_rows, plan.part_start, plan.row_part)
+    outs = tuple(map(np.asarray, outs))
+    return outs if cols is None else narrow(*outs)
 
-  o32, lse32 = map(np.asarray, run(False))
-  bits, lse16, scale = map(np.asarray, run(True))
+  o32, lse32 = run(False)
+  bits, lse16, scale = run(True)
   assert bits.dtype == jnp.bfloat16 and scale.shape == (len(lens), plan.num_splits, 2, hp)
   o16 = bits.view(np.float16)
   written = [(row, split) for segs in segments(plan, lens) for row, _, _, split in segs]
@@ -82,17 +99,20 @@ def test_kernel_partials_are_its_float32_ones_scaled_and_rounded(heads, select):
   assert (scale[rows, splits, :, :heads] > 2.0**16).any()  # o past float16's range
 
 
-@pytest.mark.parametrize("chunk", [None, 3])
-def test_ring_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk):
-  """The per-split ring (one pass; with `chunk` the first of two passes) on
-  float16 partials and their scales gives, bit for bit, what it gives on
-  the same values as float32 (the scale a power of two: folded into the
-  weight, it rounds as the product would), and reads no dead split (NaN
-  bits and scales there)."""
+@pytest.mark.parametrize("chunk, group", [(None, False), (3, False), (None, True)])
+def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk, group):
+  """The per-split ring (one pass; with `chunk` the first of two passes) and
+  the grouped merge (`group`: 9 splits, two copies of 8, the last
+  overlapping the first) on float16 partials and their scales give, bit for
+  bit, what they give on the same values as float32 (the scale a power of
+  two: folded into the weight, it rounds as the product would). The ring
+  reads no dead split; the grouped merge reads them with the live ones and
+  selects them away (NaN bits and scales there either way)."""
   from jaxkv.kernels.mla_decode.merge import build_merge
+  from jaxkv.kernels.mla_decode.merge_tiling import wide_partials
 
   rng = np.random.default_rng(5)
-  batch, splits, heads = 4, 7, 64
+  batch, splits, heads = 4, 9 if group else 7, 64
   o = rng.standard_normal((batch, splits, heads, 512)).astype(np.float32)
   o *= 10.0 ** rng.uniform(-3, 5, size=(batch, splits, heads, 1))
   o16, scale = scaled_half_spec(o)
@@ -108,6 +128,14 @@ def test_ring_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk):
   seq_lens = jnp.asarray(live * BS - 5, jnp.int32)
   common = dict(batch=batch, num_splits=splits, heads_padded=heads, dv=512, max_tokens=30 * BS,
                 out_dtype=jnp.float32 if chunk else jnp.bfloat16, interpret=FAST, chunk=chunk)
+  if group:
+    # 64 channels per CTA (tuned: 8), two groups in flight: a grid the
+    # interpreter runs in an eighth of the time, the same copies of 8 splits.
+    common.update(group=True, cols=64, stages=2)
+    bits, lse_wide = wide_partials(bits, lse_in, 64)
+    o_back, _ = wide_partials(o_back, lse_in, 64)
+    lse_in = lse_wide
+    scale_in = scale_in.reshape(batch, splits, 2, 1, heads).transpose(0, 3, 2, 1, 4)
   got = build_merge(f16_partials=True, **common)(
       seq_lens, jnp.asarray(bounds), jnp.asarray(bits), jnp.asarray(lse_in),
       jnp.asarray(scale_in, jnp.float32))
@@ -118,17 +146,19 @@ def test_ring_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk):
   assert np.isfinite(np.asarray(got[0], np.float32)).all()
 
 
-@pytest.mark.parametrize("seq_lens, splits, sms, poisoned", [
-    ([4 * BS + 9, 0, 2 * BS - 3, 3 * BS, BS + 1], 3, 4, True),  # the ring in one pass
-    ([33 * BS - 5, 0], 33, 34, False),  # more than 32 splits: two passes
+@pytest.mark.parametrize("seq_lens, splits, sms, poisoned, grouped", [
+    ([4 * BS + 9, 0, 2 * BS - 3, 3 * BS, BS + 1], 3, 4, True, False),  # the ring in one pass
+    ([33 * BS - 5, 0], 33, 34, False, False),  # more than 32 splits: two passes
+    ([10 * BS - 5, 0, 3 * BS + 7], 10, 12, True, True),  # the grouped merge
 ])
-def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, poisoned):
-  """The whole call (kernel, then the ring merge in one pass or two) with
-  float16 partials, the default where the ring merges, on values up to
-  ~1e5: finite and within bf16 tolerance of the reference in "select"; in
-  "multiply" on a poisoned cache (one pass: the two passes' first reads the
-  same partials through the same ring step), NaN in the same elements as
-  with float32 partials."""
+def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, poisoned,
+                                                         grouped):
+  """The whole call (kernel, then the ring merge in one pass or two, or the
+  grouped merge) with float16 partials, the default wherever rows have 64
+  heads or more, on values up to ~1e5: finite and within bf16 tolerance of
+  the reference in "select"; in "multiply" on a poisoned cache (the two
+  passes' first reads the same partials through the same ring step as one
+  pass), NaN in the same elements as with float32 partials."""
   from jaxkv.kernels.mla_decode import merge_tiling
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
@@ -137,11 +167,14 @@ def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, p
   config = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, split_overhead_tiles=0)
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=64, config=config, num_sms=sms)
   assert (plan.num_splits > merge_tiling.MAX_SPLITS) == (splits > 32)
+  assert merge_tiling.can_group(plan.num_splits) or not grouped
+  # The grouped merge at 64 channels per CTA (tuned: 8): the interpreter's time.
+  merge = dict(grouped=True, group_cols=64) if grouped else dict(grouped=False)
 
   def run(c, select, f16):
     return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
                        plan, sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64,
-                       q_regs=0, f16_partials=f16, grouped=False)  # the per-split ring
+                       q_regs=0, f16_partials=f16, **merge)
 
   got = run(cache, True, None)
   assert np.abs(np.asarray(got[0], np.float32)).max() > 65504

@@ -44,31 +44,36 @@ def test_combine_merges_and_handles_empty_splits():
   assert (np.asarray(out1) == 0).all() and (np.asarray(lse1) == -np.inf).all()
 
 
-def test_grouped_merge_lowers_with_bulk_copies():
+@pytest.mark.parametrize("f16", [False, True])
+def test_grouped_merge_lowers_with_bulk_copies(f16):
   """The grouped merge's partials (`merge_tiling.wide_partials`' layout, which the
   decode kernel stores with `partial_cols`) come in by bulk copies, the
   row's LSE in one and whole groups of splits in each other, not by TMA
   boxes of narrow rows. Lowered for CUDA on the CPU, both kernels at 1 x 128 x 128K's
-  shape (67 splits, 8 channels per merge CTA)."""
+  shape (67 splits, 8 channels per merge CTA); with `f16` the partials in
+  float16 (stored from registers) and their scales (one more bulk copy)."""
   from jaxkv.kernels.mla_decode import kernel, merge, merge_tiling
 
   batch, hp, splits, parts = 1, 128, 67, 66
-  cols, _ = merge_tiling.grouped_tiling(batch=batch, head_groups=2, num_splits=splits)
+  cols, _ = merge_tiling.grouped_tiling(batch=batch, head_groups=2, num_splits=splits, f16=f16)
   assert cols == 8
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   decode = kernel.build_kernel(
       batch=batch, heads_padded=hp, num_parts=parts, num_splits=splits, block_size=64,
-      sm_scale=SCALE, select=True, interpret=None, partial_cols=cols,
+      sm_scale=SCALE, select=True, interpret=None, partial_cols=cols, f16_partials=f16,
   )
   args = (jax.ShapeDtypeStruct((batch, hp, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((16, 64, 576), jnp.bfloat16),
           i32(batch, 8), i32(batch), i32(batch + 1), i32(parts, 2), i32(parts + 1), i32(batch))
-  o, lse = jax.eval_shape(decode, *args)
+  o, lse, *scale = jax.eval_shape(decode, *args)
   assert o.shape == (batch, 512 // cols, 2, splits, 64, cols) and lse.shape == (batch, 2, splits, 64)
+  assert o.dtype == (jnp.bfloat16 if f16 else jnp.float32)
+  assert [s.shape for s in scale] == ([(batch, 2, 2, splits, 64)] if f16 else [])
   assert "wgmma.mma_async" in jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   combine = merge.build_merge(batch=batch, num_splits=splits, heads_padded=hp, dv=512,
-                              max_tokens=4096, out_dtype=jnp.bfloat16, interpret=None, group=True)
-  text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
+                              max_tokens=4096, out_dtype=jnp.bfloat16, interpret=None, group=True,
+                              f16_partials=f16)
+  text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse, *scale).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "cp.async.bulk.shared::cta.global" in text  # the LSE and the groups of splits
   assert "cp.async.bulk.tensor" not in text

@@ -112,7 +112,7 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scal
         clean=functools.partial(clean_values, slot, n_keep) if clean else None,
         whole_pv=launch.whole_pv, fence=launch.fence_all or last, regions=tile_regions,
     )
-    if not (last and launch.f16_partials):
+    if not (last and launch.staged_partials):
       # (A segment's last stage stays ours until `finish` has stored
       # the float16 partial through it.)
       plgpu.barrier_arrive(free_bar.at[slot])
@@ -152,7 +152,7 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scal
       slot = lax.rem(steps + n - 1, NUM_STAGES)
       with jax.named_scope("epilogue"):
         finish(row, split, whole, acc, m_i, l_own, slot)
-      if launch.f16_partials:  # the stage `tile` kept for the staged partial
+      if launch.staged_partials:  # the stage `tile` kept for the staged partial
         plgpu.barrier_arrive(free_bar.at[slot])
 
     return steps + n
@@ -172,15 +172,21 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scal
 
     @jax.named_scope("store")
     def partial():
-      if launch.f16_partials:
+      if launch.staged_partials:
         staged_f16(o)
       elif partial_cols is None:
         store(o_ref.at[row, split, heads, cols], o)
       else:  # this half's channels, partial_cols at a time
+        value = o
+        if launch.f16_partials:
+          # From registers: at 8 channels a slice's rows are 16 bytes and
+          # one warp store covers 128 contiguous bytes (NOTES.md).
+          value, scale = scaled_half(o)
+          scale_ref[row, g, wg, split] = scale
         per = HALF // partial_cols
         for k in range(per):
           store(o_ref.at[row, wg * per + k, g, split],
-                o[:, k * partial_cols:(k + 1) * partial_cols])
+                value[:, k * partial_cols:(k + 1) * partial_cols])
       if wg == 0:
         if partial_cols is None:
           lse_ref[row, split, heads] = lse

@@ -44,7 +44,14 @@ class Launch:
   tile_regions: bool  # profile regions inside a tile
   pieces: int  # cache block pieces per tile (TMA copies: three per piece)
   piece_slots: int  # slots per piece
-  f16_partials: bool  # partials' O in scaled float16, staged in the last stage
+  f16_partials: bool  # partials' O in scaled float16
+
+  @property
+  def staged_partials(self) -> bool:
+    """Float16 partials in whole halves, staged through the segment's last
+    stage and stored by TMA (the stage held until the copy has read it);
+    with `partial_cols` they go out from registers in column slices."""
+    return self.f16_partials and self.partial_cols is None
 
 
 class Part:

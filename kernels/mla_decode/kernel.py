@@ -42,7 +42,8 @@ natural-log LSE), which the merge combines with the row's other splits into
 the output: float32 stored from registers, or with `f16_partials` float16
 scaled by a power of two per row and channel half, staged in the consumer's
 value half of the segment's last KV stage and stored by TMA (that stage is
-released once the copy has read it). Where the plan's
+released once the copy has read it), or for the grouped merge stored from
+registers in its column slices. Where the plan's
 parts are longer than its rows (`finish_rows`), a segment that covers its
 whole row (the row's only split) is the row's result instead: it goes to the
 output in bf16 with its LSE (from registers), and the merge does not touch it.
@@ -175,17 +176,21 @@ def build_kernel(
   written (`layout.store_head_rows`: compiled, in whole warps' 16 rows),
   and the merge reads no others. None: q is padded already.
 
-  `f16_partials` (with `partial_cols` None): each consumer stores its half
-  of a segment's partial O as `layout.scaled_half` gives it, float16 (its
-  bits in a bfloat16 array) divided by the least power of two at or above
-  the half row's largest |o|, so nothing overflows float16 and NaN stays
-  NaN; the scale is a third output (`layout.split_outputs(f16=True)`). The
+  `f16_partials`: each consumer stores its half of a segment's partial O as
+  `layout.scaled_half` gives it, float16 (its bits in a bfloat16 array)
+  divided by the least power of two at or above the half row's largest |o|,
+  so nothing overflows float16 and NaN stays NaN; the scale is a third
+  output (`layout.split_outputs(f16=True)`). With `partial_cols` None the
   half goes through the consumer's own value half of the segment's last
   stage (the other consumer's QK of that tile, its only other reader, was
   done before its P came) and out by one TMA copy of whole rows; the stage
-  is released once the copy has read it. Half the partials' bytes for the
-  kernel and the merge; from registers, float16 stores cover half of each
-  32-byte sector and bought nothing (kernels/mla_decode/NOTES.md).
+  is released once the copy has read it: from registers, float16 rows of
+  1 KB fill half of each 32-byte sector a warp store touches, which bought
+  nothing (kernels/mla_decode/NOTES.md). With `partial_cols` (whose slices
+  a TMA copy cannot read out of the stage's swizzled tiles) its column
+  slices go out from registers: at 8 channels a slice's 16-byte rows make
+  each warp store 128 contiguous bytes. Half the partials' bytes for the
+  kernel and the merge.
 
   `p_fence`: whether each consumer fences its P half (and maximum) toward the
   async proxy before handing it on. The other warpgroup's wgmma reads P from
@@ -201,9 +206,6 @@ def build_kernel(
   tail_heads = last_group_rows(q_heads, heads_padded)
   head_groups = heads_padded // HEAD_TILE
   assert partial_cols is None or (partial_cols % 8 == 0 and HALF % partial_cols == 0)
-  # A TMA copy cannot read a column slice of the stage's tiles (not one
-  # contiguous box): float16 partials are stored in whole halves.
-  assert not (f16_partials and partial_cols), "f16_partials needs partial_cols=None"
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)

@@ -232,11 +232,12 @@ def split_outputs(batch, num_splits, heads_padded, partial_cols=None, *, f16=Fal
   heads_padded / 64, num_splits, 64]` (`merge_tiling.wide_partials` of the first
   two).
 
-  With `f16` (not with `partial_cols`), O holds float16 bits in a bfloat16
-  array (`scaled_half`'s values: staged through the bf16 KV ring, whose SMEM
-  cannot be viewed as float16), and a third output holds their scales,
-  float32 `[batch, num_splits, 2, heads_padded]` by channel half."""
-  assert not (f16 and partial_cols)
+  With `f16`, O holds float16 bits in a bfloat16 array (`scaled_half`'s
+  values: staged through the bf16 KV ring, whose SMEM cannot be viewed as
+  float16), and a third output holds their scales, float32 by channel half:
+  `[batch, num_splits, 2, heads_padded]`, or with `partial_cols` `[batch,
+  heads_padded / 64, 2, num_splits, 64]` (a grouped merge CTA's half in one
+  contiguous run, as its LSE)."""
   groups = heads_padded // HEAD_TILE
   if partial_cols is None:
     o_shape = (batch, num_splits, heads_padded, LATENT)
@@ -250,7 +251,11 @@ def split_outputs(batch, num_splits, heads_padded, partial_cols=None, *, f16=Fal
   )
   if not f16:
     return outs
-  return (*outs, jax.ShapeDtypeStruct((batch, num_splits, 2, heads_padded), jnp.float32))
+  if partial_cols is None:
+    scale_shape = (batch, num_splits, 2, heads_padded)
+  else:
+    scale_shape = (batch, groups, 2, num_splits, HEAD_TILE)
+  return (*outs, jax.ShapeDtypeStruct(scale_shape, jnp.float32))
 
 
 def scaled_half(o):

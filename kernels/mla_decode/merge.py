@@ -178,23 +178,25 @@ def build_merge(
   own, and no store writes them. The grouped pass reads whole tiles (one
   bulk copy of a group's splits) and needs none of it either.
 
-  `f16_partials` (the per-split ring: one pass, or the first of two): o holds float16
-  partials as the decode kernel's `f16_partials` stores them
-  (`layout.split_outputs`), and their scales `[batch, num_splits, 2,
-  heads_padded]` f32 come as an argument after lse.
+  `f16_partials` (the per-split ring in one pass or the first of two, and
+  the grouped pass): o holds float16 partials as the decode kernel's
+  `f16_partials` stores them (`layout.split_outputs`), and their scales f32
+  come as an argument after lse: `[batch, num_splits, 2, heads_padded]`, or
+  for the grouped pass `[batch, heads_padded / 64, 2, num_splits, 64]`.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
     if group:
       cols, stages = grouped_tiling(
-          batch=batch, head_groups=heads_padded // HEAD_TILE, num_splits=num_splits)
+          batch=batch, head_groups=heads_padded // HEAD_TILE, num_splits=num_splits,
+          f16=f16_partials)
     else:
       cols, stages = merge_tiling(num_splits) if chunk is None else (COLS // 2, chunk)
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
   assert not group or (chunk is None and edge_chunk is None and can_group(num_splits))
-  assert not f16_partials or (edge_chunk is None and not group)
+  assert not f16_partials or edge_chunk is None
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
   stage_out = stage_out and jnp.dtype(out_dtype).itemsize == 2
@@ -237,11 +239,11 @@ def build_merge(
       heads = pl.ds(lax.axis_index("g") * HEAD_TILE, HEAD_TILE)
       chans = pl.ds(c * cols, cols)
       n = live_splits(bound, span)  # the row's first n splits are its live ones
+      scales = None if scale_ref is None else (scale_ref, scale_buf)
       if group:
         acc, m, l = merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf,
-                                      lse_buf, bar)
+                                      lse_buf, bar, scales)
       else:
-        scales = None if scale_ref is None else (scale_ref, scale_buf)
         acc, m, l = merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
                               scales)
       o, lse = softmax_finish(acc, m, l)
@@ -310,14 +312,17 @@ def build_merge(
     # first one sets m finite and alpha never sees -inf - -inf.
     return lax.fori_loop(0, n, step, softmax_start(cols))
 
-  def merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar):
+  def merge_row_grouped(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
+                        scales):
     """`(acc, m, l)` of the row's n live splits, `GROUP` per copy, weighted
-    by their LSE maximum taken first."""
+    by their LSE maximum taken first (`scales`: float16 partials'
+    `(scale_ref, scale_buf)`, else None)."""
     del first  # 0: the whole row
     o_bar, lse_bar = bar
     groups = -(-num_splits // GROUP)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
+    half = lax.div(chans.start, HALF)  # the channel half these channels are in
     del chans  # o is `wide_partials`' layout, flattened (see `merge` below)
     run_start = ((b * (dv // cols) + lax.axis_index("c")) * (heads_padded // HEAD_TILE)
                  + lax.axis_index("g")) * num_splits
@@ -335,6 +340,10 @@ def build_merge(
     # neither copy waits for the live count's loads.
     plgpu.copy_gmem_to_smem(lse_ref.at[b, lax.axis_index("g")], lse_buf, lse_bar,
                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+    if scales:  # every slot's scale of our half, one run like the LSE
+      scale_ref, scale_buf = scales
+      plgpu.copy_gmem_to_smem(scale_ref.at[b, lax.axis_index("g"), half], scale_buf, lse_bar,
+                              oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
     fetch(0)
     for k in range(1, min(stages, groups)):
       pl.when(k * GROUP < n)(lambda k=k: fetch(k))
@@ -367,8 +376,15 @@ def build_merge(
         w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
         o_j = plgpu.load(o_buf.at[slot, j - group_box_start(k, num_splits)],
                          layout=plgpu.Layout.WGMMA, optimized=False)
+        w_o = w
+        if scales:
+          o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
+          # A power of two: w * scale rounds as o_j * scale would. A dead
+          # slot's scale is whatever its bytes hold: selected away too.
+          scale_j = plgpu.load(scales[1].at[j], layout=row_layout, optimized=False)
+          w_o = jnp.where(live, w * scale_j, 0.0)
         o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
-        acc = acc + o_j * lax.broadcast_in_dim(w, acc.shape, [0])
+        acc = acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0])
         l = l + w
       if k + stages < groups:
         # Every thread's reads of the slot are ordered before its refill.
@@ -376,15 +392,17 @@ def build_merge(
         pl.when((k + stages) * GROUP < n)(lambda k=k: fetch(k + stages))
     return acc, m, l
 
+  partial_dtype = jnp.bfloat16 if f16_partials else jnp.float32
   if group:
     scratch = [
-        plgpu.SMEM((stages, GROUP, HEAD_TILE, cols), jnp.float32),
+        plgpu.SMEM((stages, GROUP, HEAD_TILE, cols), partial_dtype),
         plgpu.SMEM((num_splits, HEAD_TILE), jnp.float32),
-        (plgpu.Barrier(num_arrivals=1, num_barriers=stages), plgpu.Barrier(num_arrivals=1)),
+        (plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=2 if f16_partials else 1)),
     ]
   else:
     scratch = [
-        plgpu.SMEM((stages, HEAD_TILE, cols), jnp.bfloat16 if f16_partials else jnp.float32),
+        plgpu.SMEM((stages, HEAD_TILE, cols), partial_dtype),
         plgpu.SMEM((stages, HEAD_TILE), jnp.float32),
         plgpu.Barrier(num_arrivals=3 if f16_partials else 2, num_barriers=stages),
     ]
@@ -392,8 +410,9 @@ def build_merge(
     scratch.append(plgpu.SMEM((HEAD_TILE, cols), out_dtype))
   if tail_heads < HEAD_TILE:
     scratch.append(plgpu.SMEM((HEAD_TILE,), jnp.float32))
-  if f16_partials:
-    scratch.append(plgpu.SMEM((stages, HEAD_TILE), jnp.float32))
+  if f16_partials:  # the scales: per slot of the ring, or every split's
+    scratch.append(plgpu.SMEM((num_splits, HEAD_TILE) if group else (stages, HEAD_TILE),
+                              jnp.float32))
   per_row = () if chunk is None else (chunks,)
   outputs = (
       jax.ShapeDtypeStruct((batch, *per_row, out_heads, dv), out_dtype),
@@ -418,7 +437,8 @@ def build_merge(
     return merge_call(call, finish_rows=finish_rows, scaled=f16_partials)
   # `wide_partials`' layout with every dimension but a split's tile as one
   # (a free reshape): a group's copy is then a contiguous slice.
-  return merge_call(call, finish_rows=finish_rows, flat=lambda o: o.reshape(-1, HEAD_TILE, cols))
+  return merge_call(call, finish_rows=finish_rows, flat=lambda o: o.reshape(-1, HEAD_TILE, cols),
+                    scaled=f16_partials)
 
 
 def merge_call(call, *, finish_rows: bool, flat=lambda o: o, scaled: bool = False):

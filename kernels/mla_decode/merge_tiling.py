@@ -64,7 +64,7 @@ def merge_tiling(num_splits: int) -> tuple[int, int]:
 
 
 def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
-                   cols: int | None = None) -> tuple[int, int]:
+                   cols: int | None = None, f16: bool = False) -> tuple[int, int]:
   """(value channels per CTA, groups in flight per CTA) of the grouped merge.
 
   The channels shrink (down to 8, the narrowest wgmma-layout tile) until the
@@ -75,14 +75,17 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
   is why `use_grouped` keeps it on the per-split ring. Rows the per-split
   ring could take in one pass (at most `MAX_SPLITS` splits) take 8 channels
   whatever the grid: at 8 x 64 x 32K (27 splits) 8 channels (512 CTAs) ran
-  0.975 of 32 (128 CTAs, two of four groups in flight) on the H200."""
+  0.975 of 32 (128 CTAs, two of four groups in flight) on the H200.
+  `f16`: float16 partials (half the bytes a group; their scales, a float32
+  per split and row, take SMEM beside the LSE)."""
   if cols is None:
     cols = 8 if num_splits <= MAX_SPLITS else 64
     while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
       cols //= 2
   groups = -(-num_splits // GROUP)
-  per_group = GROUP * HEAD_TILE * cols * 4
-  return cols, max(1, min(groups, GROUP_SMEM // per_group))
+  per_group = GROUP * HEAD_TILE * cols * (2 if f16 else 4)
+  ring = GROUP_SMEM - (num_splits * HEAD_TILE * 4 if f16 else 0)
+  return cols, max(1, min(groups, ring // per_group))
 
 
 def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:

@@ -204,29 +204,31 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     group = _tiling.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   else:
     group = grouped and _tiling.can_group(plan.num_splits)
+  rows_per_cta = _packed.pack_rows(heads=q_rows, head_groups=head_groups,
+                                  num_splits=plan.num_splits)
+  packed = pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2
+  # The partials in scaled float16 (half their bytes on both sides of the
+  # merge): staged through the segment's last KV stage and stored by TMA
+  # where the per-split ring merges them in one pass or two (1.5-4.7% faster
+  # on the H200 at batch 1-200 and 64-128 heads, NOTES.md), from registers
+  # in column slices where the grouped merge does. Rows of 8-32 heads keep
+  # float32 whichever merge takes them (the stacked merge reads float32, and
+  # its A/B knobs then compare like with like). `f16_partials` True / False
+  # forces them on where they can run / off.
+  few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
+                                num_splits=plan.num_splits) > 1
+  if f16_partials is None:
+    f16_partials = not few_heads
+  elif f16_partials and packed:
+    raise ValueError("f16_partials: not with the stacked merge of rows of 8-32 heads")
   # One tiling for both: the decode kernel stores its partials in the grouped
   # merge CTAs' layout, `partial_cols` channels each.
   tiling = {}
   if group:
     cols, stages = _tiling.grouped_tiling(
-        batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols)
+        batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols,
+        f16=f16_partials)
     tiling = dict(cols=cols, stages=stages)
-  rows_per_cta = _packed.pack_rows(heads=q_rows, head_groups=head_groups,
-                                  num_splits=plan.num_splits)
-  packed = pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2
-  # The partials in scaled float16, staged through the segment's last KV
-  # stage and stored by TMA, where the per-split ring merges them in one
-  # pass or two (half their bytes on both sides: 1.5-4.7% faster on the H200
-  # at batch 1-200 and 64-128 heads, NOTES.md). The grouped and the stacked
-  # merges read float32; so do rows of 8-32 heads whichever merge takes them
-  # (the stacked merge's A/B knobs then compare like with like).
-  # `f16_partials` True / False forces them on where they can run / off.
-  few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
-                                num_splits=plan.num_splits) > 1
-  if f16_partials is None:
-    f16_partials = not (group or few_heads)
-  elif f16_partials and (group or packed):
-    raise ValueError("f16_partials: only where the per-split ring merges")
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
       num_splits=plan.num_splits, block_size=block_size, sm_scale=sm_scale,
