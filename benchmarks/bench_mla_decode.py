@@ -16,10 +16,11 @@ merge's bf16 output from registers instead of by TMA from SMEM (checked
 bitwise), ":padded" pads a query of fewer heads than its head groups to
 64 per group in XLA and slices the result (the build before the unpadded
 query; checked bitwise);
-":f32p" stores the split partials in float32 (the default at 64 heads and
-more stores them in scaled float16; checked within the float16 rounding),
-":g8f32p" in float32 with the grouped pass at 8 channels (":g8"'s A/B),
-":f16p" in float16 even at 8-32 heads (no stacked merge);
+":f32p" stores the split partials in float32 (the default where the
+per-split ring merges stores them in scaled float16; checked within the
+float16 rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge)
+and where the grouped pass merges (float32 there by default), ":g8f16p"
+in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -174,17 +175,17 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # "mdirect" stores the merge's bf16 output from registers, not by TMA,
 # "nopack" merges rows of 8-32 heads one row per CTA, not stacked,
 # "f16p" stores the partials in scaled float16 (by TMA through the segment's
-# last stage where the per-split ring merges, from registers in column
-# slices where the grouped pass does; the default but for rows of 8-32
-# heads; never with the stacked merge), "f32p" in float32, "g8f32p" in
-# float32 with the grouped pass at 8 channels.
+# last stage where the per-split ring merges, the default there but for
+# rows of 8-32 heads; from registers in column slices where the grouped
+# pass merges; never with the stacked merge), "f32p" in float32, "g8f16p"
+# in float16 with the grouped pass at 8 channels.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
                   "mdirect": dict(stage_merge_out=False), "padded": dict(pad_heads=True),
                   "nopack": dict(pack=False), "f16p": dict(f16_partials=True, pack=False),
                   "f32p": dict(f16_partials=False),
-                  "g8f32p": dict(grouped=True, group_cols=8, f16_partials=False)}
+                  "g8f16p": dict(grouped=True, group_cols=8, f16_partials=True)}
 
 
 def errors(out, lse, ref_out, ref_lse):
@@ -421,9 +422,9 @@ def check_grouped(rng, kernel_kw):
   merge CTA; 4 x 64, 16 channels; 8 x 64 at 27 splits, 8 channels), and
   forced on rows of 20-40 splits that would take the per-split ring (128
   heads, and 96: the last head group's real rows alone): the reference
-  either way. Its float16 partials (the default, stored from registers in
-  column slices) against float32 ones on the same plan: clean in "select",
-  and in "multiply" with NaN tails and null block (the same NaNs)."""
+  either way. Its float16 partials (stored from registers in column
+  slices) against float32 ones on the same plan: clean in "select", and in
+  "multiply" with NaN tails and null block (the same NaNs)."""
   ok = True
   rows8 = [4097, 1000, 9000, 5, 0, 3000, 64, 8000]
   for heads, lens_np, forced, splits in ((128, [9000], False, 40),
@@ -451,9 +452,10 @@ def check_grouped(rng, kernel_kw):
     print(f"grouped merge: {len(lens_np)} x {heads}, {plan.num_splits} splits, grouped {taken}"
           f"{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e}")
     ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite
-    same = _close_partials((out, lse), run(cache, True, f16_partials=False))
+    same = _close_partials(run(cache, True, f16_partials=True),
+                           run(cache, True, f16_partials=False))
     poisoned = poison_tails(cache, table, lens_np)
-    bad16, bad32 = (run(poisoned, False, f16_partials=f) for f in (None, False))
+    bad16, bad32 = (run(poisoned, False, f16_partials=f) for f in (True, False))
     nans = bool(np.isnan(np.asarray(bad32[0], np.float32)).any())
     same_bad = _close_partials(bad16, bad32)
     print(f"  float16 partials vs float32: clean select {same}, poisoned multiply {same_bad}"

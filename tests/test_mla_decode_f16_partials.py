@@ -154,11 +154,12 @@ def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk, group)
 def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, poisoned,
                                                          grouped):
   """The whole call (kernel, then the ring merge in one pass or two, or the
-  grouped merge) with float16 partials, the default wherever rows have 64
-  heads or more, on values up to ~1e5: finite and within bf16 tolerance of
-  the reference in "select"; in "multiply" on a poisoned cache (the two
-  passes' first reads the same partials through the same ring step as one
-  pass), NaN in the same elements as with float32 partials."""
+  grouped merge) with float16 partials (the default where the ring merges;
+  asked for with the grouped merge), on values up to ~1e5: finite and within
+  bf16 tolerance of the reference in "select"; in "multiply" on a poisoned
+  cache (the two passes' first reads the same partials through the same
+  ring step as one pass), NaN in the same elements as with float32
+  partials."""
   from jaxkv.kernels.mla_decode import merge_tiling
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
@@ -170,20 +171,21 @@ def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, p
   assert merge_tiling.can_group(plan.num_splits) or not grouped
   # The grouped merge at 64 channels per CTA (tuned: 8): the interpreter's time.
   merge = dict(grouped=True, group_cols=64) if grouped else dict(grouped=False)
+  f16 = True if grouped else None  # float16 partials: the ring's default
 
   def run(c, select, f16):
     return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
                        plan, sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64,
                        q_regs=0, f16_partials=f16, **merge)
 
-  got = run(cache, True, None)
+  got = run(cache, True, f16)
   assert np.abs(np.asarray(got[0], np.float32)).max() > 65504
   assert_close(got, run_reference(q, cache, table, lens))
   if not poisoned:
     return
   bad, _ = poison(cache, table, lens)
   nan16, nan32 = (np.isnan(np.asarray(run(bad, False, f)[0], np.float32))
-                  for f in (None, False))
+                  for f in (f16, False))
   assert nan32.any()
   np.testing.assert_array_equal(nan16, nan32)
 

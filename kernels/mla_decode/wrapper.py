@@ -208,17 +208,19 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
                                   num_splits=plan.num_splits)
   packed = pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2
   # The partials in scaled float16 (half their bytes on both sides of the
-  # merge): staged through the segment's last KV stage and stored by TMA
+  # merge), staged through the segment's last KV stage and stored by TMA,
   # where the per-split ring merges them in one pass or two (1.5-4.7% faster
-  # on the H200 at batch 1-200 and 64-128 heads, NOTES.md), from registers
-  # in column slices where the grouped merge does. Rows of 8-32 heads keep
-  # float32 whichever merge takes them (the stacked merge reads float32, and
-  # its A/B knobs then compare like with like). `f16_partials` True / False
-  # forces them on where they can run / off.
+  # on the H200 at batch 1-200 and 64-128 heads, NOTES.md). The grouped
+  # merge can read them too (stored from registers in its column slices;
+  # checked on the H200, not yet timed: float32 by default until a run says
+  # which is faster). Rows of 8-32 heads keep float32 whichever merge takes
+  # them (the stacked merge reads float32, and its A/B knobs then compare
+  # like with like). `f16_partials` True / False forces them on where they
+  # can run / off.
   few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
                                 num_splits=plan.num_splits) > 1
   if f16_partials is None:
-    f16_partials = not few_heads
+    f16_partials = not (group or few_heads)
   elif f16_partials and packed:
     raise ValueError("f16_partials: not with the stacked merge of rows of 8-32 heads")
   # One tiling for both: the decode kernel stores its partials in the grouped
