@@ -1,6 +1,6 @@
 """Dense paged MLA decode on the GPU: correctness check, then timings against ceilings.
 
-Usage: python benchmarks/bench_mla_decode.py [--skip-check] [--shapes B:H:CTX[:mul][:xla][:VARIANT] ...]
+Usage: python benchmarks/bench_mla_decode.py [--skip-check | --check PART ...] [--shapes B:H:CTX[:mul][:xla][:VARIANT] ...]
 (":mul" also times mask_mode="multiply", ":xla" the XLA reference,
 ":sw64" / ":sw128" the kernel with the query and KV ring under the 64- or
 128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, ":qr0" ... ":qr192"
@@ -207,9 +207,30 @@ def poison_tails(cache, table, lens_np):
   return poisoned
 
 
-def check_correctness(rng, variant="default"):
+# The on-device check's parts (`--check`): each compiles its own kernels, and
+# all of them take most of a device call (580 s on 2026-12-05).
+CHECKS = ("basic", "block_sizes", "grouped", "outside", "nan_data", "same")
+
+
+def check_correctness(rng, variant="default", parts=CHECKS):
+  """The `parts` of the check (`CHECKS` but "same", `check_same_result`)
+  for `variant`'s config."""
   kernel_kw = VARIANTS.get(variant, {})
   print(f"variant {variant}: {kernel_kw}")
+  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1, **kernel_kw)
+  checks = dict(
+      basic=lambda: check_basic(rng, kernel_kw),
+      block_sizes=lambda: check_block_sizes(rng, cfg),
+      grouped=lambda: check_grouped(rng, kernel_kw),
+      outside=lambda: check_blocks_outside_the_cache(rng, cfg),
+      nan_data=lambda: check_nan_in_valid_data(rng, kernel_kw),
+  )
+  return all([checks[name]() for name in parts if name in checks])
+
+
+def check_basic(rng, kernel_kw):
+  """The reference at 8-128 heads and 1-40 splits; NaN tails and null block:
+  "select" as clean, "multiply" NaN in the rows with a tail."""
   rows = []
   lens_np = [1, 63, 64, 65, 0, 1000, 4097, 300]
   # The last three cut rows into more splits than a merge group (8): the
@@ -246,10 +267,7 @@ def check_correctness(rng, variant="default"):
     print("  ", r)
   want_nan = [s % BS != 0 for s in lens_np]
   print(f"poison: select==clean {same}; multiply NaN rows {nan_rows} (want {want_nan})")
-  ok = all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
-  return (check_block_sizes(rng, cfg) and check_grouped(rng, kernel_kw)
-          and check_blocks_outside_the_cache(rng, cfg) and check_nan_in_valid_data(rng, kernel_kw)
-          and ok)
+  return all(r[3] < 1e-2 and r[4] < 1e-2 and r[5] for r in rows) and same and nan_rows == want_nan
 
 
 def check_nan_in_valid_data(rng, kernel_kw):
@@ -570,6 +588,8 @@ def main():
                   help="batch:heads:ctx[:mul][:xla][:bs32|:bs128][:VARIANT ...], VARIANT in "
                        + " ".join([*VARIANTS, *MERGE_VARIANTS, *PLAN_VARIANTS]))
   ap.add_argument("--skip-check", action="store_true")
+  ap.add_argument("--check", nargs="*", choices=CHECKS, default=list(CHECKS),
+                  help="the parts of the on-device check to run (default: all)")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   print(jax.devices()[0].device_kind, jax.__version__)
@@ -577,9 +597,9 @@ def main():
                            "128:128:16384", "1:128:131072", "8:64:32768"]
   if not args.skip_check:  # the dataclass default and every variant the shapes name
     names = ("default", *[v for v in VARIANTS if any(v in s.split(":") for s in shapes)])
-    ok = [check_correctness(rng, v) for v in names]
+    ok = [check_correctness(rng, v, args.check) for v in names]
     same = [v for v in SAME_RESULT if any(v in s.split(":") for s in shapes)]
-    if same:
+    if same and "same" in args.check:
       names, ok = (*names, "same result"), [*ok, check_same_result(rng, same)]
     print("CORRECT" if all(ok) else f"WRONG ({dict(zip(names, ok))})")
   out = []
