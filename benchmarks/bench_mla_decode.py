@@ -440,9 +440,10 @@ def check_grouped(rng, kernel_kw):
   merge CTA; 4 x 64, 16 channels; 8 x 64 at 27 splits, 8 channels), and
   forced on rows of 20-40 splits that would take the per-split ring (128
   heads, and 96: the last head group's real rows alone): the reference
-  either way. Its float16 partials (stored from registers in column
-  slices) against float32 ones on the same plan: clean in "select", and in
-  "multiply" with NaN tails and null block (the same NaNs)."""
+  either way, with float16 partials (stored from registers in column
+  slices) and with float32 ones; then the two against each other on the
+  same plan: clean in "select", and in "multiply" with NaN tails and null
+  block (the same NaNs)."""
   ok = True
   rows8 = [4097, 1000, 9000, 5, 0, 3000, 64, 8000]
   for heads, lens_np, forced, splits in ((128, [9000], False, 40),
@@ -459,19 +460,22 @@ def check_grouped(rng, kernel_kw):
     run = lambda c, select, **kw: _mla_decode(
         q, c, table, lens, plan, sm_scale=D**-0.5, select=select, interpret=None,
         kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs, grouped=True if forced else None, **kw)
-    out, lse = run(cache, True)
+    # Float16 and float32 partials (one of them the default): each against
+    # the reference, then against each other.
+    clean = {f: run(cache, True, f16_partials=f) for f in (True, False)}
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
-    err, lerr, finite = errors(out, lse, ro, rl)
     if forced:  # where `_mla_decode(grouped=True)` can take it
       taken = merge_tiling.can_group(plan.num_splits)
     else:
       taken = merge_tiling.use_grouped(batch=len(lens_np), head_groups=-(-heads // 64),
                                 num_splits=plan.num_splits)
-    print(f"grouped merge: {len(lens_np)} x {heads}, {plan.num_splits} splits, grouped {taken}"
-          f"{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e}")
-    ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite
-    same = _close_partials(run(cache, True, f16_partials=True),
-                           run(cache, True, f16_partials=False))
+    for f16, (out, lse) in clean.items():
+      err, lerr, finite = errors(out, lse, ro, rl)
+      print(f"grouped merge: {len(lens_np)} x {heads}, {plan.num_splits} splits, grouped {taken}"
+            f"{' (forced)' if forced else ''}, float{16 if f16 else 32} partials: "
+            f"rel_err {err:.2e} lse_err {lerr:.2e}")
+      ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite
+    same = _close_partials(clean[True], clean[False])
     poisoned = poison_tails(cache, table, lens_np)
     bad16, bad32 = (run(poisoned, False, f16_partials=f) for f in (True, False))
     nans = bool(np.isnan(np.asarray(bad32[0], np.float32)).any())
