@@ -19,7 +19,7 @@ the result sliced (the build before the unpadded query, for fewer heads than a
 head group), and compares its result bitwise with the unpadded one's.
 `--cut-rows` sets `SparseMLADecodeConfig.cut_rows` on every one-split
 config, the NaN checks' included: "auto" (the default config's: rows cut
-where one CTA per row overruns a wave, `config.wave_plan`), "off" (0), or N
+where one CTA per row overruns a wave, `plan.wave_plan`), "off" (0), or N
 rows (at most the batch); `--pieces` sets `SparseMLADecodeConfig.pieces`
 likewise (the pieces of a cut row). `--cluster-merge` times each variant with
 `SparseMLADecodeConfig.cluster_merge` set to each value (splits, or the
@@ -59,9 +59,8 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
-from jaxkv.kernels.sparse_mla_decode.config import (
-    CLUSTER_SPLITS,
-    default_config,
+from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, default_config
+from jaxkv.kernels.sparse_mla_decode.plan import (
     halves_pair_up,
     merged_after_kernel,
     merges_in_cluster,

@@ -14,16 +14,18 @@ from jaxkv.kernels.sparse_mla_decode import (
 )
 from jaxkv.kernels.sparse_mla_decode.config import (
     MAX_CLUSTER_CTAS,
-    PLAN_MARGIN,
-    cluster_merge_pays,
     config_from_entries,
     heuristic_config,
+)
+from jaxkv.kernels.sparse_mla_decode.plan import (
+    PLAN_MARGIN,
+    RowCut,
+    _span,
+    cluster_merge_pays,
     merges_in_cluster,
     plan_cost,
     rows_to_cut,
     wave_plan,
-    RowCut,
-    _span,
 )
 
 from sparse_problem import FAST, SCALE, TUNING, inputs

@@ -85,10 +85,11 @@ from jaxkv.kernels.mla_decode.layout import (
     split_outputs,
 )
 from jaxkv.kernels.mla_decode.seesaw import seesaw_barriers, seesaw_p_scratch
-from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE, cluster_ctas
+from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS, TILE
 from jaxkv.kernels.sparse_mla_decode.consumer import consume
 from jaxkv.kernels.sparse_mla_decode.cta import IDX_STAGES, Launch, Smem, cta_work
 from jaxkv.kernels.sparse_mla_decode.gather import FIRST_INVALID_SCRATCH
+from jaxkv.kernels.sparse_mla_decode.plan import cluster_ctas
 from jaxkv.kernels.sparse_mla_decode.producer import produce
 
 # Slots per pipeline step (the config's divisibility unit): each consumer
@@ -159,7 +160,7 @@ def build_kernel(
   whole rows' results are the first two outputs, as with one split, whose
   last `cut_rows` rows are left unwritten. Where a batch's CTAs overrun one
   wave, the last one is then short pieces behind the whole rows instead of
-  whole rows (`config.wave_plan`).
+  whole rows (`plan.wave_plan`).
 
   `cluster_merge` (with `num_splits` in `CLUSTER_SPLITS`): the splits of a
   row and head group are one cluster, which merges them in the kernel

@@ -12,7 +12,7 @@ tiles) from part p - 1, piece 1 from part p; `piece_merge` merges them into
 the result in place. Where a boundary falls between two rows, no row is cut
 there and nothing is written or merged for it.
 
-Unlike rows cut into pieces behind a wave of whole rows (`config.wave_plan`),
+Unlike rows cut into pieces behind a wave of whole rows (`plan.wave_plan`),
 every CTA ends at the same time whatever the batch: 200 x 64 heads is 1.52
 whole-row waves, which whole rows run in two.
 

@@ -26,11 +26,9 @@ from jaxkv.kernels.mla_decode.layout import (
     unscaled,
 )
 from jaxkv.kernels.sparse_mla_decode import kernel as _kernel
-from jaxkv.kernels.sparse_mla_decode.config import (
-    TILE,
-    SparseMLADecodeConfig,
+from jaxkv.kernels.sparse_mla_decode.config import TILE, SparseMLADecodeConfig, default_config
+from jaxkv.kernels.sparse_mla_decode.plan import (
     cluster_ctas,
-    default_config,
     merged_after_kernel,
     merges_in_cluster,
     rows_to_cut,
