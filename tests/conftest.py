@@ -101,6 +101,7 @@ _INTERPRETED_FIRST = (
     "test_sparse_f16_partials.py",
     "test_mla_decode_f16_partials.py",
     "test_nan_in_valid_data.py",
+    "test_interpreter_callbacks.py",
 )
 
 
