@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .grouped_merge import merge_row_grouped
 from .layout import (
     HALF,
     HEAD_TILE,
@@ -68,7 +69,6 @@ from .merge_tiling import (
     live_splits,
     merge_tiling,
 )
-from .grouped_merge import merge_row_grouped
 from .seesaw import softmax_finish, softmax_start
 
 
