@@ -15,6 +15,7 @@ partial result per part (its splits), merged afterwards by log-sum-exp.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -107,15 +108,27 @@ def mla_decode_plan(
     num_sms = device_sms()
   if config is None:
     config = default_config(batch=batch, num_heads=num_heads, num_sms=num_sms)
+  head_groups = -(-num_heads // 64)
+  parts = max(1, min(config.ctas_per_sm * num_sms // head_groups, batch * config.num_splits))
+  return _plan(seq_lens, parts=parts, splits=config.num_splits,
+               overhead_tiles=config.split_overhead_tiles,
+               min_chunk_blocks=config.min_chunk_blocks)
+
+
+# One XLA program (one dispatch, one compile per shape) where a caller runs the
+# plan outside jit, instead of ~40 ops each dispatched and compiled on its own.
+@functools.partial(jax.jit, static_argnames=("parts", "splits", "overhead_tiles",
+                                             "min_chunk_blocks"))
+def _plan(seq_lens, *, parts: int, splits: int, overhead_tiles: int,
+          min_chunk_blocks: int) -> MLADecodePlan:
+  """`mla_decode_plan`'s arrays: `parts` parts, rows cut into at most `splits`."""
+  batch = seq_lens.shape[0]
   with jax.named_scope("jaxkv.mla_decode_plan"):
-    head_groups = -(-num_heads // 64)
-    splits = config.num_splits
-    parts = max(1, min(config.ctas_per_sm * num_sms // head_groups, batch * splits))
     ntiles = (jnp.maximum(seq_lens, 0) + TILE - 1) // TILE
     ends = jnp.cumsum(ntiles).astype(jnp.int32)
     starts = ends - ntiles
     total = ends[-1]
-    over = config.split_overhead_tiles * (ntiles > 0).astype(jnp.int32)
+    over = overhead_tiles * (ntiles > 0).astype(jnp.int32)
     cost_ends = jnp.cumsum(ntiles + over).astype(jnp.int32)
     tiles_from = cost_ends - ntiles  # where each row's tiles start in cost
     cost_total = cost_ends[-1]
@@ -124,7 +137,7 @@ def mla_decode_plan(
     else:
       # A row's tiles span at most ceil((n - 1) / chunk) + 1 parts.
       chunk = jnp.maximum(
-          jnp.maximum((cost_total + parts - 1) // parts, config.min_chunk_blocks),
+          jnp.maximum((cost_total + parts - 1) // parts, min_chunk_blocks),
           (jnp.max(ntiles) + splits - 2) // (splits - 1),
       )
     # Part p starts at cost p * chunk: in the row r whose cost range holds
