@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import interpreter_callbacks  # noqa: E402
 
 # The GPU interpreter's callbacks without a `device_put` of each argument (a
-# sparse decode test 108 -> 33 s, the suite 24 -> 16 minutes on 2 slow cores;
+# sparse decode test 108 -> 33 s, the suite 24 -> 14 minutes on 2 slow cores;
 # `tests/test_interpreter_callbacks.py` checks that results are the same).
 interpreter_callbacks.install()
 

@@ -34,29 +34,28 @@ JAX_VERSION = "0.11.2"
 _saved: dict[str, object] = {}
 
 
-def _is_interpreter_callback(flat_callback) -> bool:
+def _defined_in(flat_callback, module: str) -> bool:
+  """Whether an `io_callback`'s function (under any `functools.partial`) is `module`'s."""
   fn = flat_callback.callback_func
   while isinstance(fn, functools.partial):
     fn = fn.func
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  return getattr(fn, "__module__", None) == gpu_callbacks.__name__
+  return getattr(fn, "__module__", None) == module
 
 
 def install() -> bool:
   """Installs the NumPy path; returns whether it did (only under `JAX_VERSION`)."""
   if jax.__version__ != JAX_VERSION or _saved:
     return bool(_saved)
-  from jax._src import callback, config, tree_util
+  from jax._src import callback as jax_callback
+  from jax._src import config, tree_util
   from jax._src import xla_bridge as xb
-  from jax._src.pallas.mosaic_gpu.interpret import shared_memory
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, shared_memory
 
-  io_callback_impl = callback.io_callback_impl
+  io_callback_impl = jax_callback.io_callback_impl
   to_int = shared_memory._to_int
 
-  def numpy_io_callback_impl(*args, result_avals, callback: callback._FlatCallback,
-                             sharding, ordered):
-    if not _is_interpreter_callback(callback):
+  def numpy_io_callback_impl(*args, result_avals, callback, sharding, ordered):
+    if not _defined_in(callback, gpu_callbacks.__name__):
       return io_callback_impl(*args, result_avals=result_avals, callback=callback,
                               sharding=sharding, ordered=ordered)
     # As JAX's own, less the `device_put` of every argument.
@@ -70,7 +69,7 @@ def install() -> bool:
     return to_int(x)
 
   _saved.update(io_callback_impl=io_callback_impl, to_int=to_int)
-  callback.io_callback_impl = numpy_io_callback_impl
+  jax_callback.io_callback_impl = numpy_io_callback_impl
   shared_memory._to_int = numpy_to_int
   return True
 
@@ -79,10 +78,10 @@ def uninstall() -> None:
   """Puts JAX's own functions back (nothing if `install` changed nothing)."""
   if not _saved:
     return
-  from jax._src import callback
+  from jax._src import callback as jax_callback
   from jax._src.pallas.mosaic_gpu.interpret import shared_memory
 
-  callback.io_callback_impl = _saved.pop("io_callback_impl")
+  jax_callback.io_callback_impl = _saved.pop("io_callback_impl")
   shared_memory._to_int = _saved.pop("to_int")
 
 
