@@ -58,7 +58,7 @@ def poison_tails(cache, table, lens_np):
 
 # The on-device check's parts (`--check`): each compiles its own kernels, and
 # all of them take most of a device call (580 s on 2026-12-05).
-CHECKS = ("basic", "block_sizes", "grouped", "outside", "nan_data", "same")
+CHECKS = ("basic", "block_sizes", "grouped", "halves", "outside", "nan_data", "same")
 
 
 def check_correctness(rng, variant="default", kernel_kw=None, parts=CHECKS):
@@ -71,6 +71,7 @@ def check_correctness(rng, variant="default", kernel_kw=None, parts=CHECKS):
       basic=lambda: check_basic(rng, kernel_kw),
       block_sizes=lambda: check_block_sizes(rng, cfg),
       grouped=lambda: check_grouped(rng, kernel_kw),
+      halves=lambda: check_halves(rng, kernel_kw),
       outside=lambda: check_blocks_outside_the_cache(rng, cfg),
       nan_data=lambda: check_nan_in_valid_data(rng, kernel_kw),
   )
@@ -334,6 +335,53 @@ def check_grouped(rng, kernel_kw):
     ok = ok and same and same_bad
   return ok
 
+
+
+def check_halves(rng, kernel_kw):
+  """The grouped merge in halves (two CTAs per tile in a cluster, the second's
+  sums handed on through GMEM at `barrier.cluster`): by default at 1 x 64
+  (133 splits, past one CTA's grouped merge; and 40 heads at 40 splits, the
+  last head group's real rows), forced at 2 x 64 (101 splits, two CTAs an
+  SM). Each against the reference, and against the merge without halves (two
+  passes, or one CTA per tile) on the same plan: clean in "select" (poisoned
+  "select" the same bits as clean) and poisoned in "multiply" (the same
+  NaNs)."""
+  ok = True
+  for heads, lens_np, splits, forced in ((64, [20000], 133, False), (40, [9000], 40, False),
+                                          (64, [12000, 9001], 101, True)):
+    key = jax.random.key(heads + splits)
+    cache = jax.random.normal(key, (400, BS, D), jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (len(lens_np), heads, D), jnp.bfloat16)
+    lens = jnp.asarray(lens_np, jnp.int32)
+    table = table_for(rng, lens_np, 400, 320)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
+    plan = mla_decode_plan(lens, num_heads=heads, config=cfg)
+    run = lambda c, select, halves: _mla_decode(
+        q, c, table, lens, plan, sm_scale=D**-0.5, select=select, interpret=None,
+        kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs,
+        **(dict(grouped=True, group_halves=True) if halves and forced else
+           dict(group_halves=False) if not halves else {}))
+    taken = (merge_tiling.can_group(plan.num_splits, True) if forced else
+             merge_tiling.use_halves(batch=len(lens_np), head_groups=-(-heads // 64),
+                                     num_splits=plan.num_splits))
+    out, lse = run(cache, True, True)
+    ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
+    err, lerr, finite = errors(out, lse, ro, rl)
+    poisoned = poison_tails(cache, table, lens_np)
+    same_clean = _close_partials((out, lse), run(cache, True, False))
+    bad = run(poisoned, True, True)
+    same_bits = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   equal_nan=True) for a, b in zip(bad, (out, lse)))
+    mul, mul_without = run(poisoned, False, True), run(poisoned, False, False)
+    nans = bool(np.isnan(np.asarray(mul[0], np.float32)).any())
+    same_mul = _close_partials(mul, mul_without)
+    print(f"grouped merge in halves: {len(lens_np)} x {heads}, {plan.num_splits} splits,"
+          f" halves {taken}{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e};"
+          f" against no halves: clean select {same_clean}, poisoned multiply {same_mul}"
+          f" (NaN there: {nans}); poisoned select the clean bits {same_bits}")
+    ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite and same_clean and same_bits
+    ok = ok and same_mul and nans
+  return ok
 
 def check_block_sizes(rng, cfg):
   """Block sizes 32 and 128: the reference, and NaN in every slot no row holds."""

@@ -79,6 +79,33 @@ def test_grouped_merge_lowers_with_bulk_copies(f16):
   assert "cp.async.bulk.tensor" not in text
 
 
+def test_grouped_merge_in_halves_lowers_for_hopper():
+  """The grouped merge in halves at 1 x 64 x 128K's shape (133 splits, past one
+  CTA's `GROUP_MAX_SPLITS`): 64 clusters of two CTAs at 8 channels, each
+  with its 9 groups in flight, lowered for CUDA with the cluster's barrier
+  and bulk copies. Halves are the default there and nowhere a row or head
+  group more would fill the grid."""
+  from jaxkv.kernels.mla_decode import merge, merge_tiling
+
+  batch, hp, splits = 1, 64, 133
+  assert merge_tiling.use_halves(batch=batch, head_groups=1, num_splits=splits)
+  assert not merge_tiling.can_group(splits)
+  for b, g in ((2, 1), (1, 2)):
+    assert not merge_tiling.use_halves(batch=b, head_groups=g, num_splits=67)
+  cols, stages = merge_tiling.grouped_tiling(batch=batch, head_groups=1, num_splits=splits,
+                                             halves=True)
+  assert (cols, stages) == (8, 9)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  o = jax.ShapeDtypeStruct((batch, 512 // cols, 1, splits, 64, cols), jnp.float32)
+  lse = jax.ShapeDtypeStruct((batch, 1, splits, 64), jnp.float32)
+  combine = merge.build_merge(batch=batch, num_splits=splits, heads_padded=hp, dv=512,
+                              max_tokens=2112 * 64, out_dtype=jnp.bfloat16, interpret=None,
+                              group=True, halves=True, stage_out=True)
+  text = jax.jit(combine).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "barrier.cluster.arrive.release" in text
+  assert "cp.async.bulk.shared::cta.global" in text  # the LSE and the groups of splits
+
 @pytest.mark.parametrize(
     "splits, group, stages", [(3, False, None), (9, False, None), (9, True, 2), (20, True, 1)]
 )
@@ -141,6 +168,88 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   np.testing.assert_allclose(np.asarray(lse_out)[rest], want_lse, rtol=1e-5, atol=1e-5)
   assert (np.asarray(out[2], np.float32) == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
 
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_grouped_merge_in_halves_matches_combine(stages):
+  """The grouped merge in halves (`build_merge(halves=True)`): a cluster of two
+  CTAs per tile, the first over groups 0-1 of 20 splits, the second over
+  group 2, its sums handed on through GMEM. Rows whose live splits end in
+  either CTA's share, one whose second CTA has no live split, an empty row;
+  NaN in every dead slot (never read), and a NaN LSE in the second CTA's
+  share (head 7 of row 0, NaN there alone). With one group in flight the
+  first CTA's ring refills behind its reads."""
+  from jaxkv.kernels.mla_decode import merge_tiling
+  from jaxkv.kernels.mla_decode.merge import build_merge
+
+  rng = np.random.default_rng(14)
+  batch, splits, heads = 5, 20, 64
+  o = jnp.asarray(rng.standard_normal((batch, splits, heads, 512)), jnp.float32)
+  lse = jnp.asarray(rng.standard_normal((batch, splits, heads)) * 3, jnp.float32)
+  live = np.array([20, 9, 0, 17, 3])  # split 16 starts group 2, the second CTA's
+  assert merge_tiling.can_group(splits, True) and -(-splits // merge_tiling.GROUP) == 3
+  dead = np.arange(splits)[None, :] >= live[:, None]
+  o, lse = o.at[0, 18, 7].set(jnp.nan), lse.at[0, 18, 7].set(jnp.nan)
+  o_bad = jnp.where(jnp.asarray(dead)[..., None, None], jnp.nan, o)
+  lse_bad = jnp.where(jnp.asarray(dead)[..., None], jnp.nan, lse)
+  bounds = jnp.asarray(np.minimum(np.arange(splits + 1)[None, :], live[:, None]), jnp.int32)
+  seq_lens = jnp.asarray(live * BS - 3, jnp.int32)
+  # 64 channels per CTA, not the tuned 8: a grid the interpreter runs in an
+  # eighth of the time, the same copies of 8 splits.
+  merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
+                      max_tokens=splits * BS, out_dtype=jnp.bfloat16, interpret=RACES,
+                      group=True, halves=True, cols=64, stages=stages, stage_out=True)
+  out, lse_out = merge(seq_lens, bounds, *merge_tiling.wide_partials(o_bad, lse_bad, 64))
+  want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
+  out32, want = np.asarray(out, np.float32), np.asarray(want)
+  assert out.shape == (batch, heads, 512) and out.dtype == jnp.bfloat16
+  assert_nan_head(out32, np.asarray(lse_out), want, np.asarray(want_lse), row=0, head=7)
+  err = np.linalg.norm(np.nan_to_num(out32 - want)) / np.linalg.norm(np.nan_to_num(want))
+  assert err < 5e-3, err
+  np.testing.assert_allclose(np.asarray(lse_out), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+  assert (out32[2] == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_grouped_merge_in_halves_end_to_end(f16):
+  """One row of 40 heads over 19 live splits of 20: the default call takes the grouped
+  merge in halves (`merge_tiling.use_halves`), whose first CTA stores the
+  last head group's real rows alone. Against the reference, and against the
+  grouped merge of one CTA per tile, in "select" (the same result on a
+  poisoned cache as on a clean one) and "multiply" (the same NaNs); `f16`
+  with the decode kernel's float16 partials and their scales."""
+  from jaxkv.kernels.mla_decode import merge_tiling
+  from jaxkv.kernels.mla_decode.wrapper import _mla_decode
+
+  q, cache, table, lens = problem(43, [38 * BS - 5], 40)
+  config = MLADecodeConfig(num_splits=20, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens), num_heads=40, config=config, num_sms=19)
+  assert plan.num_splits == 20 and merge_tiling.use_halves(batch=1, head_groups=1, num_splits=20)
+  # 19 live splits: 16-18 in group 2, the second CTA's.
+  assert (np.diff(np.asarray(plan.bounds)) > 0).sum() == 19
+  assert not merge_tiling.use_grouped(batch=1, head_groups=1, num_splits=20)
+  bad, _ = poison(cache, table, lens)
+
+  def run(c, select, halves):
+    # 64 channels per merge CTA (tuned: 8): the interpreter's time.
+    return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+                       plan, sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64,
+                       q_regs=0, group_cols=64, f16_partials=f16 or None,
+                       **(dict(grouped=True, group_halves=False) if halves is False else {}))
+
+  got = run(cache, True, None)
+  assert got[0].shape == (1, 40, 512)
+  assert_close(got, run_reference(q, cache, table, lens))
+  one_cta = run(cache, True, False)
+  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(one_cta[0], np.float32),
+                             rtol=2**-7, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(one_cta[1]), rtol=1e-6, atol=1e-6)
+  for a, b in zip(run(bad, True, None), got):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  nan_halves, nan_one = (np.isnan(np.asarray(run(bad, False, h)[0], np.float32))
+                         for h in (None, False))
+  assert nan_halves.any()
+  np.testing.assert_array_equal(nan_halves, nan_one)
 
 def test_merge_in_two_passes_matches_combine():
   """Chunks of a row's live splits first (split 0 alone, then 3 at a time),

@@ -21,11 +21,13 @@ from .merge_tiling import GROUP, group_box_start
 from .seesaw import softmax_start
 
 
-def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, *,
-                      num_splits: int, dv: int, cols: int, heads_padded: int, stages: int):
-  """`(acc, m, l)` of row b's n live splits (its first n; a CTA merges all
-  of a row's splits), `GROUP` per copy, weighted by their LSE maximum taken
-  first; m in log2 units, -inf where no split is live.
+def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, merged, *,
+                      num_splits: int, dv: int, cols: int, heads_padded: int, stages: int,
+                      halves=None):
+  """Merges row b's n live splits (its first n; a CTA merges all of a row's
+  splits, or in `halves` half of them), `GROUP` per copy, weighted by their
+  LSE maximum taken first, and calls `merged(acc, m, l)` with the sums (m in
+  log2 units, -inf where no split is live).
 
   chans: this CTA's `pl.ds` of value channels. o_ref: `wide_partials`'
   layout flattened to `[-1, 64, cols]` (`merge.merge_call`'s `flat`), lse_ref
@@ -34,6 +36,15 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
   f32 in SMEM; bar `(o_bar [stages], lse_bar)`. scales: float16 partials'
   `(scale_ref [batch, head_groups, 2, num_splits, 64], scale_buf
   [num_splits, 64])`, else None.
+
+  halves: None, or `(h, acc_ref, l_ref, sync)` for a cluster of two CTAs
+  per tile (h its index in the cluster): both take the maximum over every
+  split's LSE, so that their weights agree; CTA h sums groups `[h * half,
+  (h + 1) * half)` of the row's (half: the groups over two, rounded up); CTA
+  1 hands its `acc` `[64, cols]` and `l` `[64]` f32 on through GMEM (its
+  tile's `acc_ref`, `l_ref`) and meets CTA 0 at `sync()` (the cluster's
+  barrier), after which CTA 0 adds them to its own and calls `merged`. CTA 1
+  calls nothing.
   """
   o_bar, lse_bar = bar
   groups = -(-num_splits // GROUP)
@@ -44,26 +55,25 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
   run_start = ((b * (dv // cols) + lax.axis_index("c")) * (heads_padded // HEAD_TILE)
                + lax.axis_index("g")) * num_splits
 
-  def fetch(k):
+  def fetch(k, first):
     # The group's `[GROUP, 64, cols]` is contiguous in GMEM and inside the
     # array (the last box ends at the row's last slot): Mosaic GPU issues
-    # one bulk copy for it, not a TMA box of `cols * 4`-byte rows.
+    # one bulk copy for it, not a TMA box of `cols * 4`-byte rows. Slots
+    # count from the CTA's first group.
+    slot = (k - first) % stages
     rows = pl.ds(run_start + group_box_start(k, num_splits), GROUP)
-    plgpu.copy_gmem_to_smem(o_ref.at[rows], o_buf.at[k % stages], o_bar.at[k % stages],
+    plgpu.copy_gmem_to_smem(o_ref.at[rows], o_buf.at[slot], o_bar.at[slot],
                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
   # Every slot's LSE (a dead slot's bytes are selected away below), and the
-  # first group whether live or not (a row with any split has split 0 live):
-  # neither copy waits for the live count's loads.
+  # CTA's first group: neither copy waits for the live count's loads (a row
+  # with any split has split 0 live).
   plgpu.copy_gmem_to_smem(lse_ref.at[b, lax.axis_index("g")], lse_buf, lse_bar,
                           oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
   if scales:  # every slot's scale of our half, one run like the LSE
     scale_ref, scale_buf = scales
     plgpu.copy_gmem_to_smem(scale_ref.at[b, lax.axis_index("g"), half], scale_buf, lse_bar,
                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-  fetch(0)
-  for k in range(1, min(stages, groups)):
-    pl.when(k * GROUP < n)(lambda k=k: fetch(k))
 
   def live_rows(j):
     # Split j is live, as a row-layout mask (a scalar does not select an array).
@@ -74,37 +84,64 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     # not fit beside the accumulator.
     return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
 
-  plgpu.barrier_wait(lse_bar)
-  m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
-  for j in range(num_splits):
-    m = jnp.maximum(m, jnp.where(live_rows(j), log2_lse(j), -jnp.inf))
-  # No live split: m stays -inf and every weight is selected to 0, so the
-  # row comes out 0 / -inf (softmax_finish).
+  def sums(first, end, then):
+    # Groups [first, end) (static) of the row, then `then(acc, m, l)`.
+    for k in range(first, min(first + stages, end)):
+      if k == 0:  # fetched whatever n is
+        fetch(k, first)
+      else:
+        pl.when(k * GROUP < n)(lambda k=k: fetch(k, first))
+    plgpu.barrier_wait(lse_bar)
+    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
+    for j in range(num_splits):
+      m = jnp.maximum(m, jnp.where(live_rows(j), log2_lse(j), -jnp.inf))
+    # No live split: m stays -inf and every weight is selected to 0, so the
+    # row comes out 0 / -inf (softmax_finish).
 
-  acc, _, l = softmax_start(cols)
-  for k in range(groups):
-    slot = k % stages
-    if k == 0:  # fetched whatever n is
-      plgpu.barrier_wait(o_bar.at[slot])
-    else:
-      pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
-    for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
-      live = live_rows(j)
-      w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
-      o_j = plgpu.load(o_buf.at[slot, j - group_box_start(k, num_splits)],
-                       layout=plgpu.Layout.WGMMA, optimized=False)
-      w_o = w
-      if scales:
-        o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
-        # A power of two: w * scale rounds as o_j * scale would. A dead
-        # slot's scale is whatever its bytes hold: selected away too.
-        scale_j = plgpu.load(scales[1].at[j], layout=row_layout, optimized=False)
-        w_o = jnp.where(live, w * scale_j, 0.0)
-      o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
-      acc = acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0])
-      l = l + w
-    if k + stages < groups:
-      # Every thread's reads of the slot are ordered before its refill.
-      plgpu.commit_smem()
-      pl.when((k + stages) * GROUP < n)(lambda k=k: fetch(k + stages))
-  return acc, m, l
+    acc, _, l = softmax_start(cols)
+    for k in range(first, end):
+      slot = (k - first) % stages
+      if k == 0:
+        plgpu.barrier_wait(o_bar.at[slot])
+      else:
+        pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
+      for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
+        live = live_rows(j)
+        w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
+        o_j = plgpu.load(o_buf.at[slot, j - group_box_start(k, num_splits)],
+                         layout=plgpu.Layout.WGMMA, optimized=False)
+        w_o = w
+        if scales:
+          o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
+          # A power of two: w * scale rounds as o_j * scale would. A dead
+          # slot's scale is whatever its bytes hold: selected away too.
+          scale_j = plgpu.load(scales[1].at[j], layout=row_layout, optimized=False)
+          w_o = jnp.where(live, w * scale_j, 0.0)
+        o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
+        acc = acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0])
+        l = l + w
+      if k + stages < end:
+        # Every thread's reads of the slot are ordered before its refill.
+        plgpu.commit_smem()
+        pl.when((k + stages) * GROUP < n)(lambda k=k: fetch(k + stages, first))
+    then(acc, m, l)
+
+  if halves is None:
+    sums(0, groups, merged)
+    return
+  h, acc_ref, l_ref, sync = halves
+  split_at = -(-groups // 2)
+
+  def hand_on(acc, m, l):  # CTA 1: its sums to CTA 0
+    del m  # CTA 0 took the same maximum
+    acc_ref[...] = acc
+    l_ref[...] = l
+    sync()
+
+  def take_in(acc, m, l):  # CTA 0: CTA 1's sums added to its own
+    sync()
+    acc = acc + plgpu.load(acc_ref, layout=plgpu.Layout.WGMMA, optimized=False)
+    merged(acc, m, l + plgpu.load(l_ref, layout=row_layout, optimized=False))
+
+  pl.when(h == 1)(lambda: sums(split_at, groups, hand_on))
+  pl.when(h == 0)(lambda: sums(0, split_at, take_in))

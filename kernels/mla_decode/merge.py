@@ -24,7 +24,9 @@ splits at batch 1-4, and of `GROUP_NARROW_MIN` to `MAX_SPLITS` splits with
 one head group), one pass merges them instead with the splits grouped
 (`build_merge(group=True)`, its row in `grouped_merge`): each copy brings
 `GROUP` splits of a CTA's tile at once, and the decode kernel stores its
-partials in that pass's layout (`wide_partials`).
+partials in that pass's layout (`wide_partials`). Where one CTA per tile
+would leave most SMs idle (one row of one head group), two CTAs in a cluster
+share each tile's splits (`build_merge(halves=True)`).
 
 Rows of 8-32 heads (one head group, mostly padding) take
 `packed_merge.build_packed_merge` instead of the per-split ring: `64 // heads` rows of the batch per CTA, their
@@ -47,6 +49,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkv.kernels._cluster import cluster_sync, interpreted_cluster_sync
 
 from .grouped_merge import merge_row_grouped
 from .layout import (
@@ -120,7 +124,7 @@ def build_merge(
     out_dtype, interpret, finish_rows: bool = False, cols: int | None = None,
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
     group: bool = False, stage_out: bool = False, out_heads: int | None = None,
-    partial_heads: int | None = None, f16_partials: bool = False,
+    partial_heads: int | None = None, f16_partials: bool = False, halves: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -179,19 +183,27 @@ def build_merge(
   `f16_partials` stores them (`layout.split_outputs`), and their scales f32
   come as an argument after lse: `[batch, num_splits, 2, heads_padded]`, or
   for the grouped pass `[batch, heads_padded / 64, 2, num_splits, 64]`.
+
+  `halves` (the grouped pass, not with `finish_rows`): a cluster of two CTAs
+  per tile, each over half of the row's groups of splits; the second hands
+  its sums on to the first through GMEM at the cluster's barrier
+  (`grouped_merge.merge_row_grouped`), which doubles the grid where one CTA
+  per tile leaves SMs idle (batch 1 x 64 heads: 64 CTAs), and takes rows of
+  up to twice `GROUP_MAX_SPLITS` splits in one pass.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
     if group:
       cols, stages = grouped_tiling(
           batch=batch, head_groups=heads_padded // HEAD_TILE, num_splits=num_splits,
-          f16=f16_partials)
+          f16=f16_partials, halves=halves)
     else:
       cols, stages = merge_tiling(num_splits) if chunk is None else (COLS // 2, chunk)
   assert dv % cols == 0 and heads_padded % HEAD_TILE == 0
   assert chunk is None or not finish_rows
   assert chunk is None or edge_chunk is None
-  assert not group or (chunk is None and edge_chunk is None and can_group(num_splits))
+  assert not group or (chunk is None and edge_chunk is None and can_group(num_splits, halves))
+  assert not halves or (group and not finish_rows)
   assert not f16_partials or edge_chunk is None
   chunks = 1 if chunk is None else len(chunk_edges(num_splits, chunk)) - 1
 
@@ -205,13 +217,21 @@ def build_merge(
 
   def merge_kernel(seq_ref, bounds_ref, o_ref, lse_ref, *refs):
     scale_ref = scale_buf = None
+    sync = cluster_sync
+    if halves and interpret is not None:  # no `barrier.cluster` in the interpreter
+      *refs, cluster_bar = refs
+      sync = functools.partial(interpreted_cluster_sync, cluster_bar)
     if f16_partials:
       scale_ref, *refs, scale_buf = refs
     if tail_heads < HEAD_TILE:
       *refs, lse_stage = refs
     if stage_out:
       *refs, out_buf = refs
-    out_ref, lse_out_ref, o_buf, lse_buf, bar = refs
+    if halves:  # the second CTA's sums for the first, after the outputs
+      out_ref, lse_out_ref, acc_ref, l_ref, *refs = refs
+    else:
+      out_ref, lse_out_ref, *refs = refs
+    o_buf, lse_buf, bar = refs
     b = lax.axis_index("b")
     ntiles = (jnp.clip(seq_ref[b], 0, max_tokens) + TILE - 1) // TILE
     if chunk is None:
@@ -234,41 +254,49 @@ def build_merge(
       c = lax.axis_index("c")
       heads = pl.ds(lax.axis_index("g") * HEAD_TILE, HEAD_TILE)
       chans = pl.ds(c * cols, cols)
+
+      def store(acc, m, l):  # the merged tile, in out_dtype, and its LSE
+        o, lse = softmax_finish(acc, m, l)
+
+        def store_whole():  # all 64 rows of the head group
+          if stage_out:
+            stage_store(out_buf, o.astype(out_dtype), row_out.at[heads, chans])
+          else:
+            row_out[heads, chans] = o.astype(out_dtype)
+
+          @pl.when(c == 0)
+          def _():
+            row_lse[heads] = lse
+
+        def store_tail():  # the last head group's real rows alone
+          rows = pl.ds(heads_padded - HEAD_TILE, tail_heads)
+          real = pl.ds(0, tail_heads)
+          stage_store(out_buf, o.astype(out_dtype), row_out.at[rows, chans], src=out_buf.at[real])
+
+          @pl.when(c == 0)
+          def _():
+            stage_store(lse_stage, lse, row_lse.at[rows], src=lse_stage.at[real])
+
+        by_head_group(lax.axis_index("g"), head_groups=head_groups, tail_heads=tail_heads,
+                      whole=store_whole, tail=store_tail)
+
+        if stage_out:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
       n = live_splits(bound, span)  # the row's first n splits are its live ones
       scales = None if scale_ref is None else (scale_ref, scale_buf)
       if group:
-        acc, m, l = merge_row_grouped(
-            b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, num_splits=num_splits,
-            dv=dv, cols=cols, heads_padded=heads_padded, stages=stages)
+        pair = None
+        if halves:  # this tile's slot for the second CTA's sums
+          tile = (b, lax.axis_index("g"), c)
+          pair = (lax.axis_index("h"), acc_ref.at[tile], l_ref.at[tile], sync)
+        merge_row_grouped(
+            b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, store,
+            num_splits=num_splits, dv=dv, cols=cols, heads_padded=heads_padded,
+            stages=stages, halves=pair)
       else:
-        acc, m, l = merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
-                              scales)
-      o, lse = softmax_finish(acc, m, l)
-
-      def store_whole():  # all 64 rows of the head group
-        if stage_out:
-          stage_store(out_buf, o.astype(out_dtype), row_out.at[heads, chans])
-        else:
-          row_out[heads, chans] = o.astype(out_dtype)
-
-        @pl.when(c == 0)
-        def _():
-          row_lse[heads] = lse
-
-      def store_tail():  # the last head group's real rows alone
-        rows = pl.ds(heads_padded - HEAD_TILE, tail_heads)
-        real = pl.ds(0, tail_heads)
-        stage_store(out_buf, o.astype(out_dtype), row_out.at[rows, chans], src=out_buf.at[real])
-
-        @pl.when(c == 0)
-        def _():
-          stage_store(lse_stage, lse, row_lse.at[rows], src=lse_stage.at[real])
-
-      by_head_group(lax.axis_index("g"), head_groups=head_groups, tail_heads=tail_heads,
-                    whole=store_whole, tail=store_tail)
-
-      if stage_out:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        store(*merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
+                         scales))
 
     if finish_rows:
       pl.when(~kernel_wrote_row(ntiles, bound(0), bound(1)))(run)
@@ -330,16 +358,26 @@ def build_merge(
   if f16_partials:  # the scales: per slot of the ring, or every split's
     scratch.append(plgpu.SMEM((num_splits, HEAD_TILE) if group else (stages, HEAD_TILE),
                               jnp.float32))
+  if halves and interpret is not None:
+    # The interpreter has no `barrier.cluster`: each CTA arrives on both
+    # CTAs' barrier.
+    scratch.append(plgpu.ClusterBarrier(collective_axes=("h",), num_arrivals=1))
   per_row = () if chunk is None else (chunks,)
   outputs = (
       jax.ShapeDtypeStruct((batch, *per_row, out_heads, dv), out_dtype),
       jax.ShapeDtypeStruct((batch, *per_row, out_heads), jnp.float32),
   )
+  if halves:  # the second CTA's sums, per tile: of no use to the caller
+    tiles = (batch, head_groups, dv // cols, HEAD_TILE)
+    outputs += (jax.ShapeDtypeStruct((*tiles, cols), jnp.float32),
+                jax.ShapeDtypeStruct(tiles, jnp.float32))
   call = plgpu.kernel(
       merge_kernel,
       out_type=() if finish_rows else outputs,
       grid=(batch, *per_row, heads_padded // HEAD_TILE, dv // cols),
       grid_names=("b", *(("k",) if chunk else ()), "g", "c"),
+      cluster=(2,) if halves else (),
+      cluster_names=("h",) if halves else (),
       scratch_types=scratch,
       # The grouped pass lowers with Lane semantics: Warpgroup semantics' layout
       # inference would give its SMEM tiles an (8, 8) tiling and a 32-byte
@@ -355,22 +393,24 @@ def build_merge(
   # `wide_partials`' layout with every dimension but a split's tile as one
   # (a free reshape): a group's copy is then a contiguous slice.
   return merge_call(call, finish_rows=finish_rows, flat=lambda o: o.reshape(-1, HEAD_TILE, cols),
-                    scaled=f16_partials)
+                    scaled=f16_partials, results=2 if halves else None)
 
 
-def merge_call(call, *, finish_rows: bool, flat=lambda o: o, scaled: bool = False):
+def merge_call(call, *, finish_rows: bool, flat=lambda o: o, scaled: bool = False,
+               results: int | None = None):
   """A merge kernel's call as `build_merge` returns it: `(seq_lens, bounds,
   o, lse) -> (out, lse_out)`, o passed through `flat`, and with `scaled` the
   float16 partials' scales after lse; with `finish_rows` `(..., out,
   lse_out) -> (out, lse_out)`, the decode kernel's outputs updated in place
-  (a Pallas state discharge aliases them)."""
+  (a Pallas state discharge aliases them). `results`: the call's outputs
+  the caller gets, its first ones (None: all)."""
 
   def merge(seq_lens, bounds, o, lse, *rest):
     scale, finished = (rest[:1], rest[1:]) if scaled else ((), rest)
     inputs = (seq_lens, bounds, flat(o), lse, *scale)
     assert len(finished) == (2 if finish_rows else 0)
     if not finish_rows:
-      return call(*inputs)
+      return call(*inputs)[:results]
 
     def in_place(refs):
       call(*inputs, *refs)

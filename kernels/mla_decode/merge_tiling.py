@@ -40,13 +40,20 @@ GROUP_MAX_SPLITS = 128
 # one head group: 8 x 64 x 32K (27 splits) on the H200, end to end, two runs:
 # 0.971 / 0.975 of the ring's time (NOTES.md).
 GROUP_NARROW_MIN = 17
+# The grouped merge in halves (`build_merge(halves=True)`): a cluster of two
+# CTAs per tile, each over half of the row's groups, where the grid of one CTA
+# per tile is short of the SMs even at 8 channels (batch 1 x 64 heads: 64
+# CTAs). Each CTA's ring then takes at most this much SMEM, so that two
+# CTAs fit an SM beside their LSE where the grid is past one wave.
+HALVES_SMEM = 72 * 1024
 
 
-def can_group(num_splits: int) -> bool:
+def can_group(num_splits: int, halves: bool = False) -> bool:
   """Whether the grouped merge (`build_merge(group=True)`) can take rows of
   `num_splits` splits at all: more than one copy's `GROUP`, at most
-  `GROUP_MAX_SPLITS`. Where it should is `use_grouped`."""
-  return GROUP < num_splits <= GROUP_MAX_SPLITS
+  `GROUP_MAX_SPLITS` (twice that in `halves`, each CTA of a pair over half of
+  them). Where it should is `use_grouped`."""
+  return GROUP < num_splits <= GROUP_MAX_SPLITS * (2 if halves else 1)
 
 
 def merge_tiling(num_splits: int) -> tuple[int, int]:
@@ -64,7 +71,8 @@ def merge_tiling(num_splits: int) -> tuple[int, int]:
 
 
 def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
-                   cols: int | None = None, f16: bool = False) -> tuple[int, int]:
+                   cols: int | None = None, f16: bool = False,
+                   halves: bool = False) -> tuple[int, int]:
   """(value channels per CTA, groups in flight per CTA) of the grouped merge.
 
   The channels shrink (down to 8, the narrowest wgmma-layout tile) until the
@@ -77,14 +85,20 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
   whatever the grid: at 8 x 64 x 32K (27 splits) 8 channels (512 CTAs) ran
   0.975 of 32 (128 CTAs, two of four groups in flight) on the H200.
   `f16`: float16 partials (half the bytes a group; their scales, a float32
-  per split and row, take SMEM beside the LSE)."""
+  per split and row, take SMEM beside the LSE). `halves`: a cluster of two
+  CTAs per tile, each over half of the groups (twice the grid; each ring at
+  most `HALVES_SMEM` where the grid is past `GROUP_CTAS`)."""
   if cols is None:
     cols = 8 if num_splits <= MAX_SPLITS else 64
-    while cols > 8 and batch * head_groups * (512 // cols) < GROUP_CTAS:
+    while cols > 8 and batch * head_groups * (512 // cols) * (2 if halves else 1) < GROUP_CTAS:
       cols //= 2
   groups = -(-num_splits // GROUP)
+  if halves:
+    groups = -(-groups // 2)  # the first CTA's share, the larger
   per_group = GROUP * HEAD_TILE * cols * (2 if f16 else 4)
   ring = GROUP_SMEM - (num_splits * HEAD_TILE * 4 if f16 else 0)
+  if halves and batch * head_groups * (512 // cols) * 2 > GROUP_CTAS:
+    ring = min(ring, HALVES_SMEM)  # past a wave: two CTAs an SM
   return cols, max(1, min(groups, ring // per_group))
 
 
@@ -112,6 +126,13 @@ def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   if num_splits <= MAX_SPLITS:  # 8 channels (grouped_tiling)
     return head_groups == 1 and fills_grid
   return cols <= 16 and fills_grid
+
+
+def use_halves(*, batch: int, head_groups: int, num_splits: int) -> bool:
+  """Whether the grouped merge runs in halves (`build_merge(halves=True)`):
+  where one CTA per tile at 8 channels leaves more than half of `GROUP_CTAS`
+  unfilled (one row of one head group), for rows the halves can group."""
+  return batch * head_groups * (512 // 8) * 2 <= GROUP_CTAS and can_group(num_splits, True)
 
 
 def group_box_start(k: int, num_splits: int) -> int:

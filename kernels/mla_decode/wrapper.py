@@ -167,10 +167,11 @@ _reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "m
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "pack", "f16_partials"))
+                              "pack", "f16_partials", "group_halves"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
-                stage_merge_out=True, pad_heads=False, pack=True, f16_partials=None):
+                stage_merge_out=True, pad_heads=False, pack=True, f16_partials=None,
+                group_halves=None):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -198,12 +199,23 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # Rows of many splits (batch 1-4 past 32 splits; 17-32 with one head
   # group): one grouped pass (`merge_tiling.use_grouped`; `grouped` True / False
   # forces it where it can run / keeps it off, `group_cols` sets its channels
-  # per CTA), which reads the partials in its own layout.
+  # per CTA), which reads the partials in its own layout. Where one CTA per
+  # tile would leave most SMs idle (one row of one head group), the grouped
+  # pass runs in halves: two CTAs per tile in a cluster, each over half of
+  # the splits (`merge_tiling.use_halves`; `group_halves` True / False forces
+  # it where it can run / keeps it off).
   head_groups = heads_padded // _layout.HEAD_TILE
-  if grouped is None:
-    group = _tiling.use_grouped(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
+  if group_halves is None:
+    halves = _tiling.use_halves(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
   else:
-    group = grouped and _tiling.can_group(plan.num_splits)
+    halves = group_halves and _tiling.can_group(plan.num_splits, True)
+  halves = halves and not finish_rows
+  if grouped is None:
+    group = halves or _tiling.use_grouped(
+        batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
+  else:
+    group = grouped and _tiling.can_group(plan.num_splits, halves)
+  halves = halves and group
   rows_per_cta = _packed.pack_rows(heads=q_rows, head_groups=head_groups,
                                   num_splits=plan.num_splits)
   packed = pack and rows_per_cta > 1 and not group and stage_merge_out and q.dtype.itemsize == 2
@@ -230,7 +242,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   if group:
     cols, stages = _tiling.grouped_tiling(
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits, cols=group_cols,
-        f16=f16_partials)
+        f16=f16_partials, halves=halves)
     tiling = dict(cols=cols, stages=stages)
   call = _kernel.build_kernel(
       batch=batch, heads_padded=heads_padded, num_parts=plan.num_parts,
@@ -282,7 +294,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
-      f16_partials=f16_partials, **merge_args
+      f16_partials=f16_partials, halves=halves, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return _layout.real_heads(out, lse_out, heads)

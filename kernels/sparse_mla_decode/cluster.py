@@ -17,9 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import llvm
 
+from jaxkv.kernels._cluster import cluster_sync
 from jaxkv.kernels.mla_decode.layout import (
     HALF,
     HEAD_TILE,
@@ -28,24 +27,6 @@ from jaxkv.kernels.mla_decode.layout import (
     store_head_rows,
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import weighted_merge
-
-
-def cluster_sync() -> None:
-  """Every thread of the cluster's CTAs meets here (`barrier.cluster` arrive
-  with release, wait with acquire, both at cluster scope): each thread's
-  stores before it, to GMEM too, are visible to every thread of the cluster
-  after it. All three warpgroups of every CTA must call it once (a thread
-  that has exited is not waited for)."""
-
-  @plgpu.inline_mgpu()
-  def _sync(_ctx):
-    llvm.inline_asm(
-        ir.Type.parse("!llvm.void"), [],
-        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-        "", has_side_effects=True,
-    )
-
-  _sync()
 
 
 def merge_row(
