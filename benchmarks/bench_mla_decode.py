@@ -22,9 +22,8 @@ float16 rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge)
 and where the grouped pass merges (float32 there by default), ":g8f16p"
 in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":halves" the grouped pass in halves, two CTAs per tile in a cluster,
-wherever it can run (the default where one CTA per tile leaves SMs idle,
-one row of one head group), ":nohalves" without them (the build before),
-":hf16p" in halves with float16 partials;
+wherever it can run (never the default), ":hf16p" in halves with float16
+partials;
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -168,9 +167,8 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # rows of 8-32 heads; from registers in column slices where the grouped
 # pass merges; never with the stacked merge), "f32p" in float32, "g8f16p"
 # in float16 with the grouped pass at 8 channels; "halves" the grouped pass
-# in halves (two CTAs per tile in a cluster) wherever it can run, "nohalves"
-# without them (the build before halves: two passes at 1 x 64 x 128K),
-# "hf16p" in halves with float16 partials.
+# in halves (two CTAs per tile in a cluster) wherever it can run, "hf16p" in
+# halves with float16 partials.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
@@ -179,7 +177,6 @@ MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True
                   "f32p": dict(f16_partials=False),
                   "g8f16p": dict(grouped=True, group_cols=8, f16_partials=True),
                   "halves": dict(grouped=True, group_halves=True),
-                  "nohalves": dict(group_halves=False),
                   "hf16p": dict(grouped=True, group_halves=True, f16_partials=True)}
 
 

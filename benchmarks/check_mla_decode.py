@@ -339,16 +339,16 @@ def check_grouped(rng, kernel_kw):
 
 def check_halves(rng, kernel_kw):
   """The grouped merge in halves (two CTAs per tile in a cluster, the second's
-  sums handed on through GMEM at `barrier.cluster`): by default at 1 x 64
-  (133 splits, past one CTA's grouped merge; and 40 heads at 40 splits, the
-  last head group's real rows), forced at 2 x 64 (101 splits, two CTAs an
-  SM). Each against the reference, and against the merge without halves (two
-  passes, or one CTA per tile) on the same plan: clean in "select" (poisoned
-  "select" the same bits as clean) and poisoned in "multiply" (the same
-  NaNs)."""
+  sums handed on through GMEM at `barrier.cluster`; forced, never the
+  default): at 1 x 64 (133 splits, past one CTA's grouped merge), 1 x 40
+  heads at 40 splits (the last head group's real rows) and 2 x 64 (101
+  splits, two CTAs an SM). Each against the reference, and against the
+  default merge (two passes, or one CTA per tile) on the same plan: clean in
+  "select" (poisoned "select" the same bits as clean) and poisoned in
+  "multiply" (the same NaNs)."""
   ok = True
-  for heads, lens_np, splits, forced in ((64, [20000], 133, False), (40, [9000], 40, False),
-                                          (64, [12000, 9001], 101, True)):
+  for heads, lens_np, splits in ((64, [20000], 133), (40, [9000], 40),
+                                 (64, [12000, 9001], 101)):
     key = jax.random.key(heads + splits)
     cache = jax.random.normal(key, (400, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 1), (len(lens_np), heads, D), jnp.bfloat16)
@@ -359,11 +359,8 @@ def check_halves(rng, kernel_kw):
     run = lambda c, select, halves: _mla_decode(
         q, c, table, lens, plan, sm_scale=D**-0.5, select=select, interpret=None,
         kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs,
-        **(dict(grouped=True, group_halves=True) if halves and forced else
-           dict(group_halves=False) if not halves else {}))
-    taken = (merge_tiling.can_group(plan.num_splits, True) if forced else
-             merge_tiling.use_halves(batch=len(lens_np), head_groups=-(-heads // 64),
-                                     num_splits=plan.num_splits))
+        grouped=True if halves else None, group_halves=halves)
+    taken = merge_tiling.can_group(plan.num_splits, True)
     out, lse = run(cache, True, True)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
     err, lerr, finite = errors(out, lse, ro, rl)
@@ -376,7 +373,7 @@ def check_halves(rng, kernel_kw):
     nans = bool(np.isnan(np.asarray(mul[0], np.float32)).any())
     same_mul = _close_partials(mul, mul_without)
     print(f"grouped merge in halves: {len(lens_np)} x {heads}, {plan.num_splits} splits,"
-          f" halves {taken}{' (forced)' if forced else ''}: rel_err {err:.2e} lse_err {lerr:.2e};"
+          f" halves {taken}: rel_err {err:.2e} lse_err {lerr:.2e};"
           f" against no halves: clean select {same_clean}, poisoned multiply {same_mul}"
           f" (NaN there: {nans}); poisoned select the clean bits {same_bits}")
     ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite and same_clean and same_bits

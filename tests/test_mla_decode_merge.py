@@ -83,15 +83,11 @@ def test_grouped_merge_in_halves_lowers_for_hopper():
   """The grouped merge in halves at 1 x 64 x 128K's shape (133 splits, past one
   CTA's `GROUP_MAX_SPLITS`): 64 clusters of two CTAs at 8 channels, each
   with its 9 groups in flight, lowered for CUDA with the cluster's barrier
-  and bulk copies. Halves are the default there and nowhere a row or head
-  group more would fill the grid."""
+  and bulk copies."""
   from jaxkv.kernels.mla_decode import merge, merge_tiling
 
   batch, hp, splits = 1, 64, 133
-  assert merge_tiling.use_halves(batch=batch, head_groups=1, num_splits=splits)
-  assert not merge_tiling.can_group(splits)
-  for b, g in ((2, 1), (1, 2)):
-    assert not merge_tiling.use_halves(batch=b, head_groups=g, num_splits=67)
+  assert merge_tiling.can_group(splits, True) and not merge_tiling.can_group(splits)
   cols, stages = merge_tiling.grouped_tiling(batch=batch, head_groups=1, num_splits=splits,
                                              halves=True)
   assert (cols, stages) == (8, 9)
@@ -212,9 +208,9 @@ def test_grouped_merge_in_halves_matches_combine(stages):
 
 @pytest.mark.parametrize("f16", [False, True])
 def test_grouped_merge_in_halves_end_to_end(f16):
-  """One row of 40 heads over 19 live splits of 20: the default call takes the grouped
-  merge in halves (`merge_tiling.use_halves`), whose first CTA stores the
-  last head group's real rows alone. Against the reference, and against the
+  """One row of 40 heads over 19 live splits of 20, the grouped merge in halves
+  (`_mla_decode(group_halves=True)`), whose first CTA stores the last head
+  group's real rows alone. Against the reference, and against the
   grouped merge of one CTA per tile, in "select" (the same result on a
   poisoned cache as on a clean one) and "multiply" (the same NaNs); `f16`
   with the decode kernel's float16 partials and their scales."""
@@ -224,30 +220,29 @@ def test_grouped_merge_in_halves_end_to_end(f16):
   q, cache, table, lens = problem(43, [38 * BS - 5], 40)
   config = MLADecodeConfig(num_splits=20, min_chunk_blocks=1, split_overhead_tiles=0)
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=40, config=config, num_sms=19)
-  assert plan.num_splits == 20 and merge_tiling.use_halves(batch=1, head_groups=1, num_splits=20)
+  assert plan.num_splits == 20 and merge_tiling.can_group(20, True)
   # 19 live splits: 16-18 in group 2, the second CTA's.
   assert (np.diff(np.asarray(plan.bounds)) > 0).sum() == 19
-  assert not merge_tiling.use_grouped(batch=1, head_groups=1, num_splits=20)
   bad, _ = poison(cache, table, lens)
 
   def run(c, select, halves):
     # 64 channels per merge CTA (tuned: 8): the interpreter's time.
     return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
                        plan, sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64,
-                       q_regs=0, group_cols=64, f16_partials=f16 or None,
-                       **(dict(grouped=True, group_halves=False) if halves is False else {}))
+                       q_regs=0, group_cols=64, f16_partials=f16 or None, grouped=True,
+                       group_halves=halves)
 
-  got = run(cache, True, None)
+  got = run(cache, True, True)
   assert got[0].shape == (1, 40, 512)
   assert_close(got, run_reference(q, cache, table, lens))
   one_cta = run(cache, True, False)
   np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(one_cta[0], np.float32),
                              rtol=2**-7, atol=1e-3)
   np.testing.assert_allclose(np.asarray(got[1]), np.asarray(one_cta[1]), rtol=1e-6, atol=1e-6)
-  for a, b in zip(run(bad, True, None), got):
+  for a, b in zip(run(bad, True, True), got):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   nan_halves, nan_one = (np.isnan(np.asarray(run(bad, False, h)[0], np.float32))
-                         for h in (None, False))
+                         for h in (True, False))
   assert nan_halves.any()
   np.testing.assert_array_equal(nan_halves, nan_one)
 

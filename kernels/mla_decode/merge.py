@@ -24,9 +24,8 @@ splits at batch 1-4, and of `GROUP_NARROW_MIN` to `MAX_SPLITS` splits with
 one head group), one pass merges them instead with the splits grouped
 (`build_merge(group=True)`, its row in `grouped_merge`): each copy brings
 `GROUP` splits of a CTA's tile at once, and the decode kernel stores its
-partials in that pass's layout (`wide_partials`). Where one CTA per tile
-would leave most SMs idle (one row of one head group), two CTAs in a cluster
-share each tile's splits (`build_merge(halves=True)`).
+partials in that pass's layout (`wide_partials`). With `halves` two CTAs in
+a cluster share each tile's splits (forced only: slower where timed).
 
 Rows of 8-32 heads (one head group, mostly padding) take
 `packed_merge.build_packed_merge` instead of the per-split ring: `64 // heads` rows of the batch per CTA, their
@@ -187,9 +186,10 @@ def build_merge(
   `halves` (the grouped pass, not with `finish_rows`): a cluster of two CTAs
   per tile, each over half of the row's groups of splits; the second hands
   its sums on to the first through GMEM at the cluster's barrier
-  (`grouped_merge.merge_row_grouped`), which doubles the grid where one CTA
-  per tile leaves SMs idle (batch 1 x 64 heads: 64 CTAs), and takes rows of
-  up to twice `GROUP_MAX_SPLITS` splits in one pass.
+  (`grouped_merge.merge_row_grouped`). It doubles the grid (batch 1 x 64
+  heads: 128 CTAs instead of 64) and takes rows of up to twice
+  `GROUP_MAX_SPLITS` splits in one pass, but was slower wherever it was timed
+  (NOTES.md), so `_mla_decode` only forces it.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:

@@ -40,11 +40,11 @@ GROUP_MAX_SPLITS = 128
 # one head group: 8 x 64 x 32K (27 splits) on the H200, end to end, two runs:
 # 0.971 / 0.975 of the ring's time (NOTES.md).
 GROUP_NARROW_MIN = 17
-# The grouped merge in halves (`build_merge(halves=True)`): a cluster of two
-# CTAs per tile, each over half of the row's groups, where the grid of one CTA
-# per tile is short of the SMs even at 8 channels (batch 1 x 64 heads: 64
-# CTAs). Each CTA's ring then takes at most this much SMEM, so that two
-# CTAs fit an SM beside their LSE where the grid is past one wave.
+# The grouped merge in halves (`build_merge(halves=True)`: a cluster of two
+# CTAs per tile, each over half of the row's groups; never the default, slower
+# wherever it was timed, NOTES.md). Each CTA's ring takes at most this much
+# SMEM where the grid is past one wave, so that two CTAs fit an SM beside
+# their LSE.
 HALVES_SMEM = 72 * 1024
 
 
@@ -126,13 +126,6 @@ def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   if num_splits <= MAX_SPLITS:  # 8 channels (grouped_tiling)
     return head_groups == 1 and fills_grid
   return cols <= 16 and fills_grid
-
-
-def use_halves(*, batch: int, head_groups: int, num_splits: int) -> bool:
-  """Whether the grouped merge runs in halves (`build_merge(halves=True)`):
-  where one CTA per tile at 8 channels leaves more than half of `GROUP_CTAS`
-  unfilled (one row of one head group), for rows the halves can group."""
-  return batch * head_groups * (512 // 8) * 2 <= GROUP_CTAS and can_group(num_splits, True)
 
 
 def group_box_start(k: int, num_splits: int) -> int:

@@ -199,17 +199,12 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # Rows of many splits (batch 1-4 past 32 splits; 17-32 with one head
   # group): one grouped pass (`merge_tiling.use_grouped`; `grouped` True / False
   # forces it where it can run / keeps it off, `group_cols` sets its channels
-  # per CTA), which reads the partials in its own layout. Where one CTA per
-  # tile would leave most SMs idle (one row of one head group), the grouped
-  # pass runs in halves: two CTAs per tile in a cluster, each over half of
-  # the splits (`merge_tiling.use_halves`; `group_halves` True / False forces
-  # it where it can run / keeps it off).
+  # per CTA), which reads the partials in its own layout. `group_halves=True`
+  # runs it in halves, two CTAs per tile in a cluster, each over half of the
+  # splits, where it can run (never by default: on an H100 it was slower
+  # wherever it was timed, 1 x 64 x 128K 2.5x the two passes; NOTES.md).
   head_groups = heads_padded // _layout.HEAD_TILE
-  if group_halves is None:
-    halves = _tiling.use_halves(batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
-  else:
-    halves = group_halves and _tiling.can_group(plan.num_splits, True)
-  halves = halves and not finish_rows
+  halves = bool(group_halves) and _tiling.can_group(plan.num_splits, True) and not finish_rows
   if grouped is None:
     group = halves or _tiling.use_grouped(
         batch=batch, head_groups=head_groups, num_splits=plan.num_splits)
