@@ -23,7 +23,8 @@ and where the grouped pass merges (float32 there by default), ":g8f16p"
 in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":halves" the grouped pass in halves, two CTAs per tile in a cluster,
 wherever it can run (never the default), ":hf16p" in halves with float16
-partials;
+partials; ":rolled" the grouped pass as loops (":rhalves" in halves, ":rf16p"
+with float16 partials);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -168,7 +169,9 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # pass merges; never with the stacked merge), "f32p" in float32, "g8f16p"
 # in float16 with the grouped pass at 8 channels; "halves" the grouped pass
 # in halves (two CTAs per tile in a cluster) wherever it can run, "hf16p" in
-# halves with float16 partials.
+# halves with float16 partials; "rolled" the grouped pass as loops over its
+# live splits and groups, "rhalves" so in halves, "rf16p" so with float16
+# partials.
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
@@ -177,6 +180,9 @@ MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True
                   "f32p": dict(f16_partials=False),
                   "g8f16p": dict(grouped=True, group_cols=8, f16_partials=True),
                   "halves": dict(grouped=True, group_halves=True),
+                  "rolled": dict(group_rolled=True),
+                  "rhalves": dict(grouped=True, group_halves=True, group_rolled=True),
+                  "rf16p": dict(group_rolled=True, f16_partials=True),
                   "hf16p": dict(grouped=True, group_halves=True, f16_partials=True)}
 
 

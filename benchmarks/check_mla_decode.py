@@ -58,7 +58,7 @@ def poison_tails(cache, table, lens_np):
 
 # The on-device check's parts (`--check`): each compiles its own kernels, and
 # all of them take most of a device call (580 s on 2026-12-05).
-CHECKS = ("basic", "block_sizes", "grouped", "halves", "outside", "nan_data", "same")
+CHECKS = ("basic", "block_sizes", "grouped", "halves", "rolled", "outside", "nan_data", "same")
 
 
 def check_correctness(rng, variant="default", kernel_kw=None, parts=CHECKS):
@@ -71,7 +71,8 @@ def check_correctness(rng, variant="default", kernel_kw=None, parts=CHECKS):
       basic=lambda: check_basic(rng, kernel_kw),
       block_sizes=lambda: check_block_sizes(rng, cfg),
       grouped=lambda: check_grouped(rng, kernel_kw),
-      halves=lambda: check_halves(rng, kernel_kw),
+      halves=lambda: check_halves(rng, kernel_kw, HALVES_CASES),
+      rolled=lambda: check_halves(rng, kernel_kw, ROLLED_CASES),
       outside=lambda: check_blocks_outside_the_cache(rng, cfg),
       nan_data=lambda: check_nan_in_valid_data(rng, kernel_kw),
   )
@@ -337,18 +338,29 @@ def check_grouped(rng, kernel_kw):
 
 
 
-def check_halves(rng, kernel_kw):
+# (heads, lengths, splits, the variant's `_mla_decode` arguments) of the
+# "halves" and "rolled" checks.
+HALVES = dict(grouped=True, group_halves=True)
+HALVES_CASES = ((64, [20000], 133, HALVES), (40, [9000], 40, HALVES),
+                (64, [12000, 9001], 101, HALVES))
+ROLLED_CASES = ((64, [12000, 9001], 101, dict(group_rolled=True)),
+                (128, [9000], 40, dict(group_rolled=True)),
+                (64, [20000], 133, dict(HALVES, group_rolled=True)))
+
+
+def check_halves(rng, kernel_kw, cases):
   """The grouped merge in halves (two CTAs per tile in a cluster, the second's
   sums handed on through GMEM at `barrier.cluster`; forced, never the
-  default): at 1 x 64 (133 splits, past one CTA's grouped merge), 1 x 40
-  heads at 40 splits (the last head group's real rows) and 2 x 64 (101
-  splits, two CTAs an SM). Each against the reference, and against the
-  default merge (two passes, or one CTA per tile) on the same plan: clean in
+  default), or as loops (`group_rolled`), at `cases`: `HALVES_CASES` at 1 x
+  64 (133 splits, past one CTA's grouped merge), 1 x 40 heads at 40 splits
+  (the last head group's real rows) and 2 x 64 (101 splits, two CTAs an SM);
+  `ROLLED_CASES` the default grouped merges of 2 x 64 and 1 x 128, and the
+  halves at 1 x 64. Each against the reference, and against the default
+  merge (two passes, or one CTA per tile) on the same plan: clean in
   "select" (poisoned "select" the same bits as clean) and poisoned in
   "multiply" (the same NaNs)."""
   ok = True
-  for heads, lens_np, splits in ((64, [20000], 133), (40, [9000], 40),
-                                 (64, [12000, 9001], 101)):
+  for heads, lens_np, splits, variant in cases:
     key = jax.random.key(heads + splits)
     cache = jax.random.normal(key, (400, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 1), (len(lens_np), heads, D), jnp.bfloat16)
@@ -358,9 +370,8 @@ def check_halves(rng, kernel_kw):
     plan = mla_decode_plan(lens, num_heads=heads, config=cfg)
     run = lambda c, select, halves: _mla_decode(
         q, c, table, lens, plan, sm_scale=D**-0.5, select=select, interpret=None,
-        kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs,
-        grouped=True if halves else None, group_halves=halves)
-    taken = merge_tiling.can_group(plan.num_splits, True)
+        kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs, **(variant if halves else {}))
+    taken = merge_tiling.can_group(plan.num_splits, bool(variant.get("group_halves")))
     out, lse = run(cache, True, True)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
     err, lerr, finite = errors(out, lse, ro, rl)
@@ -372,9 +383,9 @@ def check_halves(rng, kernel_kw):
     mul, mul_without = run(poisoned, False, True), run(poisoned, False, False)
     nans = bool(np.isnan(np.asarray(mul[0], np.float32)).any())
     same_mul = _close_partials(mul, mul_without)
-    print(f"grouped merge in halves: {len(lens_np)} x {heads}, {plan.num_splits} splits,"
-          f" halves {taken}: rel_err {err:.2e} lse_err {lerr:.2e};"
-          f" against no halves: clean select {same_clean}, poisoned multiply {same_mul}"
+    print(f"grouped merge {variant}: {len(lens_np)} x {heads}, {plan.num_splits} splits,"
+          f" taken {taken}: rel_err {err:.2e} lse_err {lerr:.2e};"
+          f" against the default: clean select {same_clean}, poisoned multiply {same_mul}"
           f" (NaN there: {nans}); poisoned select the clean bits {same_bits}")
     ok = ok and taken and err < 1e-2 and lerr < 1e-2 and finite and same_clean and same_bits
     ok = ok and same_mul and nans

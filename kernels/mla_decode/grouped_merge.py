@@ -23,7 +23,7 @@ from .seesaw import softmax_start
 
 def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, merged, *,
                       num_splits: int, dv: int, cols: int, heads_padded: int, stages: int,
-                      halves=None):
+                      halves=None, rolled: bool = False):
   """Merges row b's n live splits (its first n; a CTA merges all of a row's
   splits, or in `halves` half of them), `GROUP` per copy, weighted by their
   LSE maximum taken first, and calls `merged(acc, m, l)` with the sums (m in
@@ -45,6 +45,11 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
   tile's `acc_ref`, `l_ref`) and meets CTA 0 at `sync()` (the cluster's
   barrier), after which CTA 0 adds them to its own and calls `merged`. CTA 1
   calls nothing.
+
+  rolled: the maximum as a loop over the live splits and the sums as a loop
+  over the live groups (each group's `GROUP` splits unrolled inside), not
+  straight-line code over every split slot (the unrolled merge's code grows
+  with the splits: ~100 KB at 133).
   """
   o_bar, lse_bar = bar
   groups = -(-num_splits // GROUP)
@@ -60,8 +65,10 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     # array (the last box ends at the row's last slot): Mosaic GPU issues
     # one bulk copy for it, not a TMA box of `cols * 4`-byte rows. Slots
     # count from the CTA's first group.
-    slot = (k - first) % stages
-    rows = pl.ds(run_start + group_box_start(k, num_splits), GROUP)
+    slot = (k - first) % stages if isinstance(k, int) else lax.rem(k - first, stages)
+    start = (group_box_start(k, num_splits) if isinstance(k, int)
+             else jnp.minimum(k * GROUP, num_splits - GROUP))
+    rows = pl.ds(run_start + start, GROUP)
     plgpu.copy_gmem_to_smem(o_ref.at[rows], o_buf.at[slot], o_bar.at[slot],
                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
@@ -83,6 +90,53 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     # Loaded again where used: all splits' maxima held in registers would
     # not fit beside the accumulator.
     return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
+
+  def sums_rolled(first, end, then):
+    # As `sums`, looped: over the live splits for the maximum, over the live
+    # groups of [first, end) for the sums (the first group of the row waited
+    # on whatever n is, as it was fetched), a group's splits unrolled.
+    live_end = jnp.clip((n + GROUP - 1) // GROUP, first + 1 if first == 0 else first, end)
+    for k in range(first, min(first + stages, end)):
+      if k == 0:
+        fetch(k, first)
+      else:
+        pl.when(k < live_end)(lambda k=k: fetch(k, first))
+    plgpu.barrier_wait(lse_bar)
+    m = lax.fori_loop(
+        0, n, lambda j, m: jnp.maximum(m, log2_lse(j)),
+        plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout))
+
+    def group(k, carry):
+      acc, l = carry
+      slot = lax.rem(k - first, stages)
+      plgpu.barrier_wait(o_bar.at[slot])
+      start = jnp.minimum(k * GROUP, num_splits - GROUP)
+      for i in range(GROUP):
+        j = k * GROUP + i  # past the row's slots in a last short group: dead
+        at = jnp.minimum(j, num_splits - 1)
+        live = live_rows(j)
+        w = jnp.where(live, jnp.exp2(log2_lse(at) - m), 0.0)
+        o_j = plgpu.load(o_buf.at[slot, at - start], layout=plgpu.Layout.WGMMA,
+                         optimized=False)
+        w_o = w
+        if scales:
+          o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
+          scale_j = plgpu.load(scales[1].at[at], layout=row_layout, optimized=False)
+          w_o = jnp.where(live, w * scale_j, 0.0)
+        o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
+        acc = acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0])
+        l = l + w
+
+      @pl.when(k + stages < live_end)
+      def _():
+        plgpu.commit_smem()  # every thread's reads of the slot before its refill
+        fetch(k + stages, first)
+
+      return acc, l
+
+    acc, _, l = softmax_start(cols)
+    acc, l = lax.fori_loop(first, live_end, group, (acc, l))
+    then(acc, m, l)
 
   def sums(first, end, then):
     # Groups [first, end) (static) of the row, then `then(acc, m, l)`.
@@ -126,8 +180,9 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
         pl.when((k + stages) * GROUP < n)(lambda k=k: fetch(k + stages, first))
     then(acc, m, l)
 
+  run = sums_rolled if rolled else sums
   if halves is None:
-    sums(0, groups, merged)
+    run(0, groups, merged)
     return
   h, acc_ref, l_ref, sync = halves
   split_at = -(-groups // 2)
@@ -143,5 +198,5 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     acc = acc + plgpu.load(acc_ref, layout=plgpu.Layout.WGMMA, optimized=False)
     merged(acc, m, l + plgpu.load(l_ref, layout=row_layout, optimized=False))
 
-  pl.when(h == 1)(lambda: sums(split_at, groups, hand_on))
-  pl.when(h == 0)(lambda: sums(0, split_at, take_in))
+  pl.when(h == 1)(lambda: run(split_at, groups, hand_on))
+  pl.when(h == 0)(lambda: run(0, split_at, take_in))

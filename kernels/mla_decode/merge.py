@@ -124,6 +124,7 @@ def build_merge(
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
     group: bool = False, stage_out: bool = False, out_heads: int | None = None,
     partial_heads: int | None = None, f16_partials: bool = False, halves: bool = False,
+    rolled: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -190,6 +191,10 @@ def build_merge(
   heads: 128 CTAs instead of 64) and takes rows of up to twice
   `GROUP_MAX_SPLITS` splits in one pass, but was slower wherever it was timed
   (NOTES.md), so `_mla_decode` only forces it.
+
+  `rolled` (the grouped pass): its maximum and sums as loops over the live
+  splits and groups (`grouped_merge.merge_row_grouped`), not straight-line
+  code over every split slot.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -293,7 +298,7 @@ def build_merge(
         merge_row_grouped(
             b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, store,
             num_splits=num_splits, dv=dv, cols=cols, heads_padded=heads_padded,
-            stages=stages, halves=pair)
+            stages=stages, halves=pair, rolled=rolled)
       else:
         store(*merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
                          scales))

@@ -167,11 +167,11 @@ _reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "m
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "pack", "f16_partials", "group_halves"))
+                              "pack", "f16_partials", "group_halves", "group_rolled"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
                 stage_merge_out=True, pad_heads=False, pack=True, f16_partials=None,
-                group_halves=None):
+                group_halves=None, group_rolled=False):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -289,7 +289,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
-      f16_partials=f16_partials, halves=halves, **merge_args
+      f16_partials=f16_partials, halves=halves, rolled=group_rolled and group, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return _layout.real_heads(out, lse_out, heads)
