@@ -219,14 +219,15 @@ def test_grouped_merge_in_halves_matches_combine(stages, rolled):
   assert (out32[2] == 0).all() and (np.asarray(lse_out[2]) == -np.inf).all()
 
 
-@pytest.mark.parametrize("f16", [False, True])
-def test_grouped_merge_in_halves_end_to_end(f16):
+@pytest.mark.parametrize("f16, rolled", [(False, False), (True, False), (True, True)])
+def test_grouped_merge_in_halves_end_to_end(f16, rolled):
   """One row of 40 heads over 19 live splits of 20, the grouped merge in halves
   (`_mla_decode(group_halves=True)`), whose first CTA stores the last head
   group's real rows alone. Against the reference, and against the
   grouped merge of one CTA per tile, in "select" (the same result on a
   poisoned cache as on a clean one) and "multiply" (the same NaNs); `f16`
-  with the decode kernel's float16 partials and their scales."""
+  with the decode kernel's float16 partials and their scales, `rolled` with
+  both merges as loops (`group_rolled`)."""
   from jaxkv.kernels.mla_decode import merge_tiling
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
@@ -243,7 +244,7 @@ def test_grouped_merge_in_halves_end_to_end(f16):
     return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
                        plan, sm_scale=SCALE, select=select, interpret=FAST, kv_swizzle=64,
                        q_regs=0, group_cols=64, f16_partials=f16 or None, grouped=True,
-                       group_halves=halves)
+                       group_halves=halves, group_rolled=rolled)
 
   got = run(cache, True, True)
   assert got[0].shape == (1, 40, 512)
