@@ -91,6 +91,21 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     # not fit beside the accumulator.
     return plgpu.load(lse_buf.at[j], layout=row_layout, optimized=False) * LOG2E
 
+  def add_split(acc, l, m, j, live, slot, offset):
+    # Split j's tile (`offset` in its group's copy, in ring slot `slot`),
+    # weighted, added to the sums; nothing where not `live`.
+    w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
+    o_j = plgpu.load(o_buf.at[slot, offset], layout=plgpu.Layout.WGMMA, optimized=False)
+    w_o = w
+    if scales:
+      o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
+      # A power of two: w * scale rounds as o_j * scale would. A dead
+      # slot's scale is whatever its bytes hold: selected away too.
+      scale_j = plgpu.load(scales[1].at[j], layout=row_layout, optimized=False)
+      w_o = jnp.where(live, w * scale_j, 0.0)
+    o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
+    return acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0]), l + w
+
   def sums_rolled(first, end, then):
     # As `sums`, looped: over the live splits for the maximum, over the live
     # groups of [first, end) for the sums (the first group of the row waited
@@ -114,18 +129,7 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
       for i in range(GROUP):
         j = k * GROUP + i  # past the row's slots in a last short group: dead
         at = jnp.minimum(j, num_splits - 1)
-        live = live_rows(j)
-        w = jnp.where(live, jnp.exp2(log2_lse(at) - m), 0.0)
-        o_j = plgpu.load(o_buf.at[slot, at - start], layout=plgpu.Layout.WGMMA,
-                         optimized=False)
-        w_o = w
-        if scales:
-          o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
-          scale_j = plgpu.load(scales[1].at[at], layout=row_layout, optimized=False)
-          w_o = jnp.where(live, w * scale_j, 0.0)
-        o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
-        acc = acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0])
-        l = l + w
+        acc, l = add_split(acc, l, m, at, live_rows(j), slot, at - start)
 
       @pl.when(k + stages < live_end)
       def _():
@@ -160,20 +164,8 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
       else:
         pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
       for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
-        live = live_rows(j)
-        w = jnp.where(live, jnp.exp2(log2_lse(j) - m), 0.0)
-        o_j = plgpu.load(o_buf.at[slot, j - group_box_start(k, num_splits)],
-                         layout=plgpu.Layout.WGMMA, optimized=False)
-        w_o = w
-        if scales:
-          o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
-          # A power of two: w * scale rounds as o_j * scale would. A dead
-          # slot's scale is whatever its bytes hold: selected away too.
-          scale_j = plgpu.load(scales[1].at[j], layout=row_layout, optimized=False)
-          w_o = jnp.where(live, w * scale_j, 0.0)
-        o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
-        acc = acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0])
-        l = l + w
+        acc, l = add_split(acc, l, m, j, live_rows(j), slot,
+                           j - group_box_start(k, num_splits))
       if k + stages < end:
         # Every thread's reads of the slot are ordered before its refill.
         plgpu.commit_smem()
