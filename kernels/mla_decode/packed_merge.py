@@ -12,7 +12,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .layout import HEAD_TILE, TILE
-from .merge import merge_call, ring_step
+from .merge import merge_call
+from .ring import ring_step
 from .merge_tiling import MAX_SPLITS, kernel_wrote_row, live_splits, merge_tiling
 from .seesaw import softmax_finish, softmax_start
 
