@@ -66,9 +66,7 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     # one bulk copy for it, not a TMA box of `cols * 4`-byte rows. Slots
     # count from the CTA's first group.
     slot = (k - first) % stages if isinstance(k, int) else lax.rem(k - first, stages)
-    start = (group_box_start(k, num_splits) if isinstance(k, int)
-             else jnp.minimum(k * GROUP, num_splits - GROUP))
-    rows = pl.ds(run_start + start, GROUP)
+    rows = pl.ds(run_start + group_box_start(k, num_splits), GROUP)
     plgpu.copy_gmem_to_smem(o_ref.at[rows], o_buf.at[slot], o_bar.at[slot],
                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
@@ -106,16 +104,21 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
     return acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0]), l + w
 
+  def prefetch(first, end):
+    # The first `stages` groups of [first, end) that hold a live split (the
+    # row's first group whatever n is).
+    for k in range(first, min(first + stages, end)):
+      if k == 0:
+        fetch(k, first)
+      else:
+        pl.when(k * GROUP < n)(lambda k=k: fetch(k, first))
+
   def sums_rolled(first, end, then):
     # As `sums`, looped: over the live splits for the maximum, over the live
     # groups of [first, end) for the sums (the first group of the row waited
     # on whatever n is, as it was fetched), a group's splits unrolled.
     live_end = jnp.clip((n + GROUP - 1) // GROUP, first + 1 if first == 0 else first, end)
-    for k in range(first, min(first + stages, end)):
-      if k == 0:
-        fetch(k, first)
-      else:
-        pl.when(k < live_end)(lambda k=k: fetch(k, first))
+    prefetch(first, end)
     plgpu.barrier_wait(lse_bar)
     m = lax.fori_loop(
         0, n, lambda j, m: jnp.maximum(m, log2_lse(j)),
@@ -125,7 +128,7 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
       acc, l = carry
       slot = lax.rem(k - first, stages)
       plgpu.barrier_wait(o_bar.at[slot])
-      start = jnp.minimum(k * GROUP, num_splits - GROUP)
+      start = group_box_start(k, num_splits)
       for i in range(GROUP):
         j = k * GROUP + i  # past the row's slots in a last short group: dead
         at = jnp.minimum(j, num_splits - 1)
@@ -144,11 +147,7 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
 
   def sums(first, end, then):
     # Groups [first, end) (static) of the row, then `then(acc, m, l)`.
-    for k in range(first, min(first + stages, end)):
-      if k == 0:  # fetched whatever n is
-        fetch(k, first)
-      else:
-        pl.when(k * GROUP < n)(lambda k=k: fetch(k, first))
+    prefetch(first, end)
     plgpu.barrier_wait(lse_bar)
     m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
     for j in range(num_splits):

@@ -88,16 +88,17 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
   per split and row, take SMEM beside the LSE). `halves`: a cluster of two
   CTAs per tile, each over half of the groups (twice the grid; each ring at
   most `HALVES_SMEM` where the grid is past `GROUP_CTAS`)."""
+  grid = lambda cols: batch * head_groups * (512 // cols) * (2 if halves else 1)  # CTAs
   if cols is None:
     cols = 8 if num_splits <= MAX_SPLITS else 64
-    while cols > 8 and batch * head_groups * (512 // cols) * (2 if halves else 1) < GROUP_CTAS:
+    while cols > 8 and grid(cols) < GROUP_CTAS:
       cols //= 2
   groups = -(-num_splits // GROUP)
   if halves:
     groups = -(-groups // 2)  # the first CTA's share, the larger
   per_group = GROUP * HEAD_TILE * cols * (2 if f16 else 4)
   ring = GROUP_SMEM - (num_splits * HEAD_TILE * 4 if f16 else 0)
-  if halves and batch * head_groups * (512 // cols) * 2 > GROUP_CTAS:
+  if halves and grid(cols) > GROUP_CTAS:
     ring = min(ring, HALVES_SMEM)  # past a wave: two CTAs an SM
   return cols, max(1, min(groups, ring // per_group))
 
@@ -128,11 +129,14 @@ def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
   return cols <= 16 and fills_grid
 
 
-def group_box_start(k: int, num_splits: int) -> int:
+def group_box_start(k, num_splits: int):
   """The first split slot of group `k`'s copy: `k * GROUP`, except that the
   last group's box ends at the last slot (it overlaps the group before it
-  rather than running past the array)."""
-  return min(k * GROUP, num_splits - GROUP)
+  rather than running past the array). `k` a Python int (the unrolled merge)
+  or a traced int32 (the rolled one's loop)."""
+  if isinstance(k, int):
+    return min(k * GROUP, num_splits - GROUP)
+  return jnp.minimum(k * GROUP, num_splits - GROUP)
 
 
 def wide_partials(o, lse, cols: int):

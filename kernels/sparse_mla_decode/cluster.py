@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels._cluster import cluster_sync
+from jaxkv.kernels._cluster import cluster_sync, interpreted_cluster_sync
 from jaxkv.kernels.mla_decode.layout import (
     HALF,
     HEAD_TILE,
@@ -73,8 +73,7 @@ def merge_row(
   if compiled:
     cluster_sync()
   else:
-    plgpu.barrier_arrive(cluster_bar)
-    plgpu.barrier_wait(cluster_bar)
+    interpreted_cluster_sync(cluster_bar)
 
   # Piece `split` of every partial: ours from registers, the others' from L2.
   chans = pl.ds(wg * HALF + split * merge_cols, merge_cols)
