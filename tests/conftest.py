@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the run, shared by the xdist workers (they inherit
 # the controller's environment) and removed at its end: many tests compile the
 # same interpreted programs (the same kernel body, another test's closure),
-# and a hit skips XLA's compile (the suite 871 -> 788 s on 2 cores). Each
+# and a hit skips XLA's compile (the suite 858 -> 738-791 s on 2 cores). Each
 # run starts empty, as CI does. A cached executable's Python callbacks are
 # bound again when it is loaded, so the interpreter's callbacks stay this
 # process's own.
