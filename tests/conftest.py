@@ -22,9 +22,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # process's own.
 if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE = tempfile.mkdtemp(prefix="jaxkv-tests-")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-else:
+else:  # a worker, or a cache of the caller's own (kept)
   _RUN_CACHE = None
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every program
 
 import jaxtyping  # noqa: E402
 
