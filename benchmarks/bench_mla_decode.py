@@ -23,8 +23,10 @@ and where the grouped pass merges (float32 there by default), ":g8f16p"
 in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":halves" the grouped pass in halves, two CTAs per tile in a cluster,
 wherever it can run (never the default), ":hf16p" in halves with float16
-partials; ":rolled" the grouped pass as loops (":rhalves" in halves, ":rf16p"
-with float16 partials);
+partials; ":rolled" the grouped pass as loops, the default since the
+nineteenth stop (":rhalves" in halves, ":rf16p" with float16 partials), and
+":unrolled" as the straight-line code over every split slot that it was
+before (every other grouped variant is rolled);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -180,7 +182,7 @@ MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True
                   "f32p": dict(f16_partials=False),
                   "g8f16p": dict(grouped=True, group_cols=8, f16_partials=True),
                   "halves": dict(grouped=True, group_halves=True),
-                  "rolled": dict(group_rolled=True),
+                  "rolled": dict(group_rolled=True), "unrolled": dict(group_rolled=False),
                   "rhalves": dict(grouped=True, group_halves=True, group_rolled=True),
                   "rf16p": dict(group_rolled=True, f16_partials=True),
                   "hf16p": dict(grouped=True, group_halves=True, f16_partials=True)}

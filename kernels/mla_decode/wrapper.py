@@ -171,7 +171,7 @@ _reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "m
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
                 stage_merge_out=True, pad_heads=False, pack=True, f16_partials=None,
-                group_halves=None, group_rolled=False):
+                group_halves=None, group_rolled=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -203,6 +203,10 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # runs it in halves, two CTAs per tile in a cluster, each over half of the
   # splits, where it can run (never by default: on an H100 it was slower
   # wherever it was timed, 1 x 64 x 128K 2.5x the two passes; NOTES.md).
+  # `group_rolled` (the default) runs it as loops over the live splits and
+  # groups: on an H100 its merge took 6.2-6.6 µs where the straight-line code
+  # over every split slot took 7.0-9.2, end to end 0.93-1.00 of it at every
+  # grouped shape timed (NOTES.md); False keeps the straight-line code.
   head_groups = heads_padded // _layout.HEAD_TILE
   halves = bool(group_halves) and _tiling.can_group(plan.num_splits, True) and not finish_rows
   if grouped is None:
@@ -221,7 +225,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # merge can read them too (stored from registers in its column slices), but
   # keeps float32 by default: on an H100 its merge got slower at every shape
   # (its per-split chain, not its bytes, bounds it) and 2 x 64 x 64K lost 17%
-  # end to end (NOTES.md). Rows of 8-32 heads keep float32 whichever merge takes
+  # end to end (NOTES.md). As loops it was 0-3.5% faster than float32 as loops
+  # there (H100), not yet checked on a GPU in that combination: still forced. Rows of 8-32 heads keep float32 whichever merge takes
   # them (the stacked merge reads float32, and its A/B knobs then compare
   # like with like). `f16_partials` True / False forces them on where they
   # can run / off.
