@@ -23,10 +23,9 @@ and where the grouped pass merges (float32 there by default), ":g8f16p"
 in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":halves" the grouped pass in halves, two CTAs per tile in a cluster,
 wherever it can run (never the default), ":hf16p" in halves with float16
-partials; ":rolled" the grouped pass as loops, the default since the
-nineteenth stop (":rhalves" in halves, ":rf16p" with float16 partials), and
-":unrolled" as the straight-line code over every split slot that it was
-before (every other grouped variant is rolled);
+partials; ":rolled" the grouped pass as loops, the default (":rhalves" in
+halves, ":rf16p" with float16 partials), and ":unrolled" as straight-line
+code over every split slot (every other grouped variant is rolled);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 

@@ -223,10 +223,11 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # where the per-split ring merges them in one pass or two (1.5-4.7% faster
   # on the H200 at batch 1-200 and 64-128 heads, NOTES.md). The grouped
   # merge can read them too (stored from registers in its column slices), but
-  # keeps float32 by default: on an H100 its merge got slower at every shape
-  # (its per-split chain, not its bytes, bounds it) and 2 x 64 x 64K lost 17%
-  # end to end (NOTES.md). As loops it was 0-3.5% faster than float32 as loops
-  # there (H100), not yet checked on a GPU in that combination: still forced. Rows of 8-32 heads keep float32 whichever merge takes
+  # keeps float32 by default: as straight-line code its merge got slower at
+  # every shape on an H100 (its code, not its bytes, bounded it) and 2 x 64 x
+  # 64K lost 17% end to end; as loops it was 0-3.5% faster than float32 as
+  # loops, but that combination has had no on-device check yet (NOTES.md).
+  # Rows of 8-32 heads keep float32 whichever merge takes
   # them (the stacked merge reads float32, and its A/B knobs then compare
   # like with like). `f16_partials` True / False forces them on where they
   # can run / off.
