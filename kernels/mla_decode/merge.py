@@ -25,7 +25,7 @@ one head group), one pass merges them instead with the splits grouped
 (`build_merge(group=True)`, its row in `grouped_merge`): each copy brings
 `GROUP` splits of a CTA's tile at once, and the decode kernel stores its
 partials in that pass's layout (`wide_partials`). With `halves` two CTAs in
-a cluster share each tile's splits (forced only: slower where timed).
+a cluster share each tile's splits (forced only: no faster where timed).
 
 Rows of 8-32 heads (one head group, mostly padding) take
 `packed_merge.build_packed_merge` instead of the per-split ring: `64 // heads` rows of the batch per CTA, their
@@ -146,8 +146,9 @@ def build_merge(
   its sums on to the first through GMEM at the cluster's barrier
   (`grouped_merge.merge_row_grouped`). It doubles the grid (batch 1 x 64
   heads: 128 CTAs instead of 64) and takes rows of up to twice
-  `GROUP_MAX_SPLITS` splits in one pass, but was slower wherever it was timed
-  (NOTES.md), so `_mla_decode` only forces it.
+  `GROUP_MAX_SPLITS` splits in one pass, but as straight-line code it was
+  slower wherever it was timed, and as loops level with the two passes at 1 x
+  64 x 128K (H100, NOTES.md), so `_mla_decode` only forces it.
 
   `rolled` (the grouped pass): its maximum and sums as loops over the live
   splits and groups (`grouped_merge.merge_row_grouped`), not straight-line

@@ -41,8 +41,8 @@ GROUP_MAX_SPLITS = 128
 # 0.971 / 0.975 of the ring's time (NOTES.md).
 GROUP_NARROW_MIN = 17
 # The grouped merge in halves (`build_merge(halves=True)`: a cluster of two
-# CTAs per tile, each over half of the row's groups; never the default, slower
-# wherever it was timed, NOTES.md). Each CTA's ring takes at most this much
+# CTAs per tile, each over half of the row's groups; never the default, no
+# faster wherever it was timed, NOTES.md). Each CTA's ring takes at most this much
 # SMEM where the grid is past one wave, so that two CTAs fit an SM beside
 # their LSE.
 HALVES_SMEM = 72 * 1024

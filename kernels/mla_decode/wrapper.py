@@ -201,8 +201,9 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # forces it where it can run / keeps it off, `group_cols` sets its channels
   # per CTA), which reads the partials in its own layout. `group_halves=True`
   # runs it in halves, two CTAs per tile in a cluster, each over half of the
-  # splits, where it can run (never by default: on an H100 it was slower
-  # wherever it was timed, 1 x 64 x 128K 2.5x the two passes; NOTES.md).
+  # splits, where it can run (never by default: on an H100, as straight-line
+  # code it was slower wherever it was timed, 1 x 64 x 128K's merge 2.5x the
+  # two passes', and as loops level with them, 1.004-1.016; NOTES.md).
   # `group_rolled` (the default) runs it as loops over the live splits and
   # groups: on an H100 its merge took 6.2-6.6 µs where the straight-line code
   # over every split slot took 7.0-9.2, end to end 0.93-1.00 of it at every
