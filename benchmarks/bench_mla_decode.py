@@ -16,16 +16,16 @@ merge's bf16 output from registers instead of by TMA from SMEM (checked
 bitwise), ":padded" pads a query of fewer heads than its head groups to
 64 per group in XLA and slices the result (the build before the unpadded
 query; checked bitwise);
-":f32p" stores the split partials in float32 (the default where the
-per-split ring merges stores them in scaled float16; checked within the
-float16 rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge)
-and where the grouped pass merges (float32 there by default), ":g8f16p"
+":f32p" stores the split partials in float32 (the default stores them in
+scaled float16 but for rows of 8-32 heads; checked within the float16
+rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge), ":g8f16p"
 in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":halves" the grouped pass in halves, two CTAs per tile in a cluster,
 wherever it can run (never the default), ":hf16p" in halves with float16
 partials; ":rolled" the grouped pass as loops, the default (":rhalves" in
-halves, ":rf16p" with float16 partials), and ":unrolled" as straight-line
-code over every split slot (every other grouped variant is rolled);
+halves, ":rf16p" with float16 partials, as the default), and ":unrolled" as
+straight-line code over every split slot, with float32 partials (every other
+grouped variant is rolled);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`).
 
@@ -165,14 +165,15 @@ PLAN_VARIANTS = {f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)}
 # "mdirect" stores the merge's bf16 output from registers, not by TMA,
 # "nopack" merges rows of 8-32 heads one row per CTA, not stacked,
 # "f16p" stores the partials in scaled float16 (by TMA through the segment's
-# last stage where the per-split ring merges, the default there but for
-# rows of 8-32 heads; from registers in column slices where the grouped
-# pass merges; never with the stacked merge), "f32p" in float32, "g8f16p"
+# last stage where the per-split ring merges; from registers in column slices
+# where the grouped pass merges; the default but for rows of 8-32 heads and
+# the grouped pass as straight-line code or in halves; never with the stacked
+# merge), "f32p" in float32, "g8f16p"
 # in float16 with the grouped pass at 8 channels; "halves" the grouped pass
 # in halves (two CTAs per tile in a cluster) wherever it can run, "hf16p" in
 # halves with float16 partials; "rolled" the grouped pass as loops over its
 # live splits and groups, "rhalves" so in halves, "rf16p" so with float16
-# partials.
+# partials (as the default); "unrolled" as straight-line code (float32).
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),

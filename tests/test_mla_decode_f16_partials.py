@@ -154,8 +154,8 @@ def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(chunk, group)
 def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, poisoned,
                                                          grouped):
   """The whole call (kernel, then the ring merge in one pass or two, or the
-  grouped merge) with float16 partials (the default where the ring merges;
-  asked for with the grouped merge), on values up to ~1e5: finite and within
+  grouped merge as loops) with float16 partials (the default with both), on
+  values up to ~1e5: finite and within
   bf16 tolerance of the reference in "select"; in "multiply" on a poisoned
   cache (the two passes' first reads the same partials through the same
   ring step as one pass), NaN in the same elements as with float32
@@ -171,7 +171,7 @@ def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, p
   assert merge_tiling.can_group(plan.num_splits) or not grouped
   # The grouped merge at 64 channels per CTA (tuned: 8): the interpreter's time.
   merge = dict(grouped=True, group_cols=64) if grouped else dict(grouped=False)
-  f16 = True if grouped else None  # float16 partials: the ring's default
+  f16 = None  # float16 partials: the default with either merge
 
   def run(c, select, f16):
     return _mla_decode(q, jnp.asarray(c, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
@@ -188,6 +188,43 @@ def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, p
                   for f in (f16, False))
   assert nan32.any()
   np.testing.assert_array_equal(nan16, nan32)
+
+
+@pytest.mark.parametrize("heads, splits, kw, want", [
+    (64, 3, {}, True),  # the per-split ring in one pass
+    (64, 40, dict(grouped=False), True),  # two passes
+    (64, 10, dict(grouped=True), True),  # the grouped merge as loops
+    (64, 10, dict(grouped=True, group_rolled=False), False),  # as straight-line code
+    (64, 40, dict(grouped=True, group_halves=True), False),  # in halves
+    (16, 3, {}, False),  # rows of 8-32 heads: the stacked merge
+    (64, 3, dict(f16_partials=False), False),
+    (64, 10, dict(grouped=True, group_rolled=False, f16_partials=True), True),
+])
+def test_which_partials_the_default_stores(heads, splits, kw, want):
+  """Float16 partials by default wherever they were timed faster (the ring,
+  the grouped merge as loops), float32 where not (the grouped merge as
+  straight-line code or in halves, rows of 8-32 heads); `f16_partials` forces
+  either. Read off the traced call: the width of the decode kernel's partials
+  (its first output; the kernels are the traced call's `custom_vmap_call`s)."""
+  from jaxkv.kernels.mla_decode.wrapper import _mla_decode
+
+  lens = [(splits + 2) * BS, 0]
+  config = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, split_overhead_tiles=0)
+  plan = mla_decode_plan(jnp.asarray(lens, jnp.int32), num_heads=heads, config=config,
+                         num_sms=splits + 1)
+  assert plan.num_splits == splits
+  q = jax.ShapeDtypeStruct((2, heads, 576), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((2 * splits + 8, BS, 576), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, splits + 4), jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda q, c, t, n: _mla_decode(
+      q, c, t, n, plan, sm_scale=SCALE, select=True, interpret=None, kv_swizzle=64,
+      q_regs=0, **kw))(q, cache, table, jax.ShapeDtypeStruct((2,), jnp.int32))
+  (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jit"]
+  kernels = [e for e in call.params["jaxpr"].eqns if e.primitive.name == "custom_vmap_call"]
+  assert len(kernels) >= 2  # the decode kernel, then the merge or merges
+  partials = kernels[0].outvars[0].aval
+  assert partials.shape[0] == 2 and partials.ndim >= 4  # [batch, splits or channels, ...]
+  assert partials.dtype.itemsize == (2 if want else 4)
 
 
 def test_float16_partials_lower_for_hopper():

@@ -223,11 +223,12 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # merge), staged through the segment's last KV stage and stored by TMA,
   # where the per-split ring merges them in one pass or two (1.5-4.7% faster
   # on the H200 at batch 1-200 and 64-128 heads, NOTES.md). The grouped
-  # merge can read them too (stored from registers in its column slices), but
-  # keeps float32 by default: as straight-line code its merge got slower at
-  # every shape on an H100 (its code, not its bytes, bounded it) and 2 x 64 x
-  # 64K lost 17% end to end; as loops it was 0-3.5% faster than float32 as
-  # loops, but that combination has had no on-device check yet (NOTES.md).
+  # merge reads them too (stored from registers in its column slices) and
+  # takes them by default as loops (`group_rolled`): on an H100, 0.965-0.985
+  # of float32 end to end at every grouped shape timed, the decode kernel
+  # writing half the bytes. As straight-line code (`group_rolled=False`) or in
+  # halves it keeps float32: there its merge got slower (its code, not its
+  # bytes, bounded it; 2 x 64 x 64K lost 17% end to end, NOTES.md).
   # Rows of 8-32 heads keep float32 whichever merge takes
   # them (the stacked merge reads float32, and its A/B knobs then compare
   # like with like). `f16_partials` True / False forces them on where they
@@ -235,7 +236,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
                                 num_splits=plan.num_splits) > 1
   if f16_partials is None:
-    f16_partials = not (group or few_heads)
+    f16_partials = not few_heads and (not group or (group_rolled and not halves))
   elif f16_partials and packed:
     raise ValueError("f16_partials: not with the stacked merge of rows of 8-32 heads")
   # One tiling for both: the decode kernel stores its partials in the grouped
