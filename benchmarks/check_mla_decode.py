@@ -8,6 +8,8 @@ no row may read (`CHECKS` names the parts).
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +80,15 @@ def check_correctness(rng, variant="default", kernel_kw=None, parts=CHECKS):
       outside=lambda: check_blocks_outside_the_cache(rng, cfg),
       nan_data=lambda: check_nan_in_valid_data(rng, kernel_kw),
   )
-  return all([checks[name]() for name in parts if name in checks])
+  results = []
+  for name in parts:
+    if name in checks:
+      start = time.perf_counter()
+      results.append(checks[name]())
+      # Each part's seconds, compiles included: one device command has 10
+      # minutes, and the whole check takes most of them on a cold machine.
+      print(f"  (check part {name!r}: {time.perf_counter() - start:.0f} s)", flush=True)
+  return all(results)
 
 
 def check_basic(rng, kernel_kw):
