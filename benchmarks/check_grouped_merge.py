@@ -96,8 +96,9 @@ def check_halves(rng, kernel_kw, cases):
   (the last head group's real rows) and 2 x 64 (101 splits, two CTAs an SM);
   `ROLLED_CASES` the grouped merges of 2 x 64 and 1 x 128 as straight-line
   code (the default is loops), the halves as loops at 1 x 64, and 2 x 64
-  with float32 partials (the default is float16). Each against the reference, and against the default
-  merge (two passes, or one CTA per tile) on the same plan: clean in
+  with float32 partials (the default is float16). Each against the
+  reference, and against the default merge (two passes, or one CTA per
+  tile) on the same plan: clean in
   "select" (poisoned "select" the same bits as clean) and poisoned in
   "multiply" (the same NaNs)."""
   ok = True
