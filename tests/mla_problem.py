@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -115,3 +116,17 @@ def unscaled_spec(o16, scale):
   partials a float16 merge reads, as float32 values."""
   halves = o16.astype(np.float32).reshape(*o16.shape[:-1], 2, 256)
   return (halves * scale[..., None]).reshape(o16.shape)
+
+
+def jitted_body(fn, *args):
+  """The equations of the one jitted call `fn(*args)` traces to, one level
+  in: each kernel is one op (`custom_vmap_call`), each XLA op its own."""
+  (call,) = [e for e in jax.make_jaxpr(fn)(*args).eqns if "jaxpr" in e.params]
+  return call.params["jaxpr"].eqns
+
+
+def jitted_ops(fn, *args):
+  """The names of `jitted_body`'s ops; jnp's own jitted helpers (`jnp.pad`)
+  by their names."""
+  return {e.params["name"].lstrip("_") if e.primitive.name == "jit" else e.primitive.name
+          for e in jitted_body(fn, *args)}

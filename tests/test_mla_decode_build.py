@@ -16,7 +16,7 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_plan,
 )
 
-from mla_problem import BS, FAST, SCALE, problem
+from mla_problem import BS, FAST, SCALE, jitted_ops, problem
 
 
 def _bad_plan(**change):
@@ -229,14 +229,10 @@ def _call_ops(heads, seq_lens, config, num_sms=132):
   kernels are one op each; what else runs is XLA ops of its own)."""
   q, cache, table, lens = problem(5, seq_lens, heads)
   plan = mla_decode_plan(jnp.asarray(lens), num_heads=heads, config=config, num_sms=num_sms)
-  jaxpr = jax.make_jaxpr(
+  return jitted_ops(
       lambda q, c: mla_decode(q, c, jnp.asarray(table), jnp.asarray(lens), sm_scale=SCALE,
-                              plan=plan, config=config, interpret=FAST)
-  )(q, jnp.asarray(cache, jnp.bfloat16))
-  (call,) = [e for e in jaxpr.eqns if "jaxpr" in e.params]
-  # jnp's own jitted helpers (jnp.pad) by their names.
-  return {e.params["name"].lstrip("_") if e.primitive.name == "jit" else e.primitive.name
-          for e in call.params["jaxpr"].eqns}
+                              plan=plan, config=config, interpret=FAST),
+      q, jnp.asarray(cache, jnp.bfloat16))
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from mla_problem import (
     RACES,
     SCALE,
     assert_close,
+    jitted_body,
     poison,
     problem,
     run_reference,
@@ -216,11 +217,10 @@ def test_which_partials_the_default_stores(heads, splits, kw, want):
   q = jax.ShapeDtypeStruct((2, heads, 576), jnp.bfloat16)
   cache = jax.ShapeDtypeStruct((2 * splits + 8, BS, 576), jnp.bfloat16)
   table = jax.ShapeDtypeStruct((2, splits + 4), jnp.int32)
-  jaxpr = jax.make_jaxpr(lambda q, c, t, n: _mla_decode(
+  body = jitted_body(lambda q, c, t, n: _mla_decode(
       q, c, t, n, plan, sm_scale=SCALE, select=True, interpret=None, kv_swizzle=64,
-      q_regs=0, **kw))(q, cache, table, jax.ShapeDtypeStruct((2,), jnp.int32))
-  (call,) = [e for e in jaxpr.eqns if e.primitive.name == "jit"]
-  kernels = [e for e in call.params["jaxpr"].eqns if e.primitive.name == "custom_vmap_call"]
+      q_regs=0, **kw), q, cache, table, jax.ShapeDtypeStruct((2,), jnp.int32))
+  kernels = [e for e in body if e.primitive.name == "custom_vmap_call"]
   assert len(kernels) >= 2  # the decode kernel, then the merge or merges
   partials = kernels[0].outvars[0].aval
   assert partials.shape[0] == 2 and partials.ndim >= 4  # [batch, splits or channels, ...]

@@ -13,6 +13,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode_reference,
 )
 
+from mla_problem import jitted_ops
 from sparse_problem import (
     BLOCK_SIZE,
     FAST,
@@ -249,10 +250,7 @@ def test_heads_below_a_head_group_need_no_pad_or_slice(heads, stage_out, pad, cu
   q, cache, idx = inputs(3, 2, heads, 64 * splits)
   config = SparseMLADecodeConfig(num_splits=splits, stage_out=stage_out,
                                  cluster_merge=True if splits > 1 else None)
-  jaxpr = jax.make_jaxpr(lambda q: sparse_mla_decode(
-      q, cache, idx, sm_scale=SCALE, interpret=FAST, config=config))(q)
-  (call,) = [e for e in jaxpr.eqns if "jaxpr" in e.params]
-  ops = {e.params["name"].lstrip("_") if e.primitive.name == "jit" else e.primitive.name
-         for e in call.params["jaxpr"].eqns}
+  ops = jitted_ops(lambda q: sparse_mla_decode(
+      q, cache, idx, sm_scale=SCALE, interpret=FAST, config=config), q)
   assert ("pad" in ops) == pad
   assert ("slice" in ops) == cut
