@@ -15,7 +15,8 @@ from .layout import HALF, HEAD_TILE, LOG2E, SLOT_HALF, TILE, bf16_tile
 
 
 def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=None):
-  """S = Q K^T over a KV stage's `slots` (32 of them): `[64, 32]` float32, 576 deep.
+  """S = Q K^T over a KV stage's `slots` (32 of them in the kernels): `[64, slots]`
+  float32, 576 deep.
 
   The QK of both decode kernels. `q_lat` `[2, 64, 256]` bf16 SMEM, `q_rope`
   `[64, 64]` bf16 (registers, or SMEM in the interpreter), `k_lat` `[stages,
@@ -46,7 +47,7 @@ def tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=None):
     plgpu.wgmma(s_ref, q_rope, k_rope.at[stage, slots].T)
     return s_ref[...]
 
-  return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, SLOT_HALF), jnp.float32))
+  return pl.run_scoped(qk, plgpu.ACC((HEAD_TILE, slots.size), jnp.float32))
 
 
 def query_head(q_lat, q_regs: int, *, in_regs: bool):
@@ -184,7 +185,7 @@ def region_scope(on: bool):
 
 
 def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_pv=False,
-                fence=True, regions=True):
+                fence=True, regions=True, width=SLOT_HALF, p_half=None):
   """One 64-slot tile's softmax and PV, FlashMLA's "seesaw" over its two halves.
 
   Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)`: `s` is `[64, 32]`
@@ -226,6 +227,12 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
       hand-off's barrier alone orders it, for plain loads (every thread
       arrives with release semantics).
     regions: name the profile regions "handoff_wait" and "pv".
+    width: the slots each warpgroup scored: `SLOT_HALF` (a tile's half, as
+      both kernels run), or `TILE` where warpgroup w scored a whole tile of
+      a pair (`benchmarks/probe_pair_schedule.py`, FlashMLA's schedule):
+      `pv` then maps a P column slice to its tile.
+    p_half: None (warpgroup k's P is `p_smem[:, k * width:(k + 1) * width]`),
+      or a callable from k to the ref that holds it.
 
   Returns:
     `(acc, m1, l)`.
@@ -233,8 +240,10 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
   m0_bar, p0_bar, p1_bar, p0_free, p1_free = bars
   acc, m_i, l_i = carry
   scope = region_scope(regions)
-  own = pl.ds(wg * SLOT_HALF, SLOT_HALF)
-  other = pl.ds((1 - wg) * SLOT_HALF, SLOT_HALF)
+  own = pl.ds(wg * width, width)
+  other = pl.ds((1 - wg) * width, width)
+  if p_half is None:
+    p_half = lambda k: p_smem.at[:, pl.ds(k * width, width)]
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   rows = lambda k: plgpu.load(xchg.at[k], layout=row_layout, optimized=False)
   bcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
@@ -261,7 +270,7 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     p_scaled = (p * bcast(scale1, s.shape)).astype(jnp.bfloat16)
     with scope("handoff_wait"):
       plgpu.barrier_wait(p0_free)  # warpgroup 1 is done with our last P
-    p_smem[:, own] = p_scaled
+    p_half(wg)[...] = p_scaled
     if fence:
       plgpu.commit_smem()
     plgpu.barrier_arrive(p0_bar)
@@ -291,7 +300,7 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
     p16 = p.astype(jnp.bfloat16)
     with scope("handoff_wait"):
       plgpu.barrier_wait(p1_free)  # warpgroup 0 is done with our last P
-    p_smem[:, own] = p16
+    p_half(wg)[...] = p16
     xchg[1] = m1
     if fence:
       plgpu.commit_smem()
