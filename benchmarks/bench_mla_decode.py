@@ -28,7 +28,9 @@ straight-line code over every split slot, with float32 partials (every other
 grouped variant is rolled);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`, ":ns2" ... ":ns6" on a
-plan of that many split slots per row, `MLADecodeConfig(num_splits=...)`).
+plan of that many split slots per row, `MLADecodeConfig(num_splits=...)`, ":so0"
+... ":so8" on a plan that charges each row segment that many tiles,
+`MLADecodeConfig(split_overhead_tiles=...)`).
 
 Prints, per shape: kernel time (CUPTI, median), TB/s and TFLOP/s counted as
 bytes = q + seq_len*576*2 + out and FLOPs = 2*heads*seq_len*(576+512), the
@@ -159,7 +161,8 @@ VARIANTS = {"sw64": dict(kv_swizzle=64), "sw128": dict(kv_swizzle=128),
             "qr192": dict(q_regs=192)}
 # Variants of the plan (each gets its own plan from these config fields).
 PLAN_VARIANTS = {**{f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)},
-                 **{f"ns{n}": dict(num_splits=n) for n in (2, 3, 4, 5, 6)}}
+                 **{f"ns{n}": dict(num_splits=n) for n in (2, 3, 4, 5, 6)},
+                 **{f"so{n}": dict(split_overhead_tiles=n) for n in range(9)}}
 # Variants of the merge rather than of the kernel's config (`_mla_decode`'s
 # private arguments): "ungrouped" merges rows of many splits with the
 # per-split ring (two passes past 32 splits) instead of the grouped pass,
