@@ -17,15 +17,21 @@ traffic in the loop, the same register budget as the kernels: three
 warpgroups, the consumers at 240). Streamed (`--stream 1`), every tile comes
 through the kernels' two-stage ring instead, two CTAs reading each tile (the
 two head groups of 128 heads); under pairs a stage is then free only after
-the pair, since both consumers' PVs read both tiles. The per-tile figure is the slope between
-two tile counts (CUPTI, median of 20), so the launch and the start cancel.
-Both variants' results are checked against softmax(QK^T) V over the two
-tiles (repeating them changes no weight), at two tiles: under pairs each
-tile's P overwrites its RoPE rows, as it would in a kernel that reloads them,
-so past one pair the probe's later scores are garbage (the timing is not).
+the pair, since both consumers' PVs read both tiles, and "pieces" frees and
+refills each stage's latent halves and RoPE rows on their own barriers.
+The per-tile figure is the slope between two tile counts (CUPTI, median of
+20), so the launch and the start cancel.
 
-This is the figure that says whether rewriting the shared seesaw for pairs
-(both kernels' 128-head rate, which the chain binds: NOTES.md) is worth it.
+Each variant's result is checked against softmax(QK^T) V over the two tiles
+(repeating them changes no weight; the LSE grows by log(tiles / 2)): at two
+tiles with the tiles held in SMEM, since under pairs each tile's P then
+overwrites RoPE rows that are not reloaded (past one pair those scores are
+garbage, the timing is not), and at 16 tiles streamed.
+
+Outcome on an H100 (kernels/mla_decode/NOTES.md, "FlashMLA's pair schedule,
+probed"): the chain alone is 18-20% faster in pairs, but streamed the pair
+stalls the two-stage ring (3.7 µs a tile, 3.0 in pieces, against the halves'
+2.0), so both kernels keep the halves.
 """
 
 from __future__ import annotations
@@ -77,8 +83,8 @@ SCALE = 576 ** -0.5
 
 def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool = False):
   """Each CTA: the query and two tiles into SMEM, then `tiles` tiles of the
-  chain (`variant` "halves" as the kernels run, or "pairs"); out `[ctas, 64,
-  512]` f32 and the LSE `[ctas, 64]`.
+  chain (`variant` "halves" as the kernels run, "pairs" or "pieces"); out
+  `[ctas, 64, 512]` f32 and the LSE `[ctas, 64]`.
 
   With `stream`, the producer loads every tile into the two-stage ring as the
   kernels do (a stage is reloaded once both consumers release it: under pairs,
