@@ -58,18 +58,7 @@ from jaxkv.kernels.mla_decode.layout import (
     bf16_tile,
     launch,
 )
-from jaxkv.kernels.mla_decode.seesaw import (
-    query_head,
-    seesaw_barriers,
-    seesaw_begin,
-    seesaw_end,
-    seesaw_pv,
-    seesaw_row_sums,
-    seesaw_tile,
-    softmax_finish,
-    softmax_start,
-    tile_scores,
-)
+from jaxkv.kernels.mla_decode import seesaw as S
 
 ITERS = 20
 VARIANTS = ("halves", "pairs", "pieces")
@@ -169,7 +158,7 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
       plgpu.barrier_wait(q_bar)
       q_rope = plgpu.load(k_rope.at[0], layout=plgpu.Layout.WGMMA)
       plgpu.barrier_arrive(rope_free)
-      q_head = query_head(q_lat, q_regs, in_regs=True)
+      q_head = S.query_head(q_lat, q_regs, in_regs=True)
 
       def wait_stage(i, stage):
         if stream:
@@ -207,7 +196,7 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
           else:
             stage, slots = lax.rem(i, 2), pl.ds(wg * SLOT_HALF, SLOT_HALF)
             wait_stage(lax.div(i, 2), stage)
-          s = tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=q_head)
+          s = S.tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=q_head)
 
         def pv(acc, cols, *, p=None, p_cols=None):
           # Under pairs a P column slice names its tile, whose RoPE rows
@@ -225,10 +214,10 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
               if p_cols is not None:
                 plgpu.barrier_arrive(piece_free.at[3 * t + 2])
             return acc
-          return seesaw_pv(acc, cols, k_lat=k_lat, slot=stage, wg=wg, p_smem=p_smem,
+          return S.seesaw_pv(acc, cols, k_lat=k_lat, slot=stage, wg=wg, p_smem=p_smem,
                            p_scratch=None, p=p, p_cols=p_cols)
 
-        out = seesaw_tile(wg, s * scale_log2, carry, pv=pv, xchg=xchg, p_smem=p_smem,
+        out = S.seesaw_tile(wg, s * scale_log2, carry, pv=pv, xchg=xchg, p_smem=p_smem,
                           bars=bars, fence=True, regions=False, width=width,
                           p_half=(lambda k: k_rope.at[k]) if pairs else None)
         if stream and not pieces:
@@ -236,11 +225,11 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
             plgpu.barrier_arrive(free_bar.at[st])
         return out
 
-      seesaw_begin(wg, bars)
-      acc, m, l_own = lax.fori_loop(0, tiles // 2 if pairs else tiles, step, softmax_start(HALF))
-      seesaw_end(wg, bars)
-      l = seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=False)
-      o, lse = softmax_finish(acc, m, l)
+      S.seesaw_begin(wg, bars)
+      acc, m, l_own = lax.fori_loop(0, tiles // 2 if pairs else tiles, step, S.softmax_start(HALF))
+      S.seesaw_end(wg, bars)
+      l = S.seesaw_row_sums(wg, l_own, xchg, sync_bar, reuse=False)
+      o, lse = S.softmax_finish(acc, m, l)
       o_ref[cta, :, pl.ds(wg * HALF, HALF)] = o
       if wg == 0:
         lse_ref[cta] = lse
@@ -261,7 +250,7 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=1, num_barriers=6),
         plgpu.Barrier(num_arrivals=1, num_barriers=6),
-        *seesaw_barriers(),
+        *S.seesaw_barriers(),
         collective_axes="wg",
     )
 
