@@ -1,7 +1,7 @@
 """Probe: the consumers' chain per tile, halves against FlashMLA's pair schedule.
 
 Usage: python benchmarks/probe_pair_schedule.py [--tiles 16 80] [--q-regs 0 128]
-       [--stream 0 1] [--lower-only]
+       [--stream 0 1] [--swizzle 64|128] [--share 2|1] [--lower-only]
 
 Both decode kernels split each 64-slot tile between the two consumer
 warpgroups: warpgroup w scores slots [32 w, 32 w + 32) (QK wgmmas of N = 32,
@@ -71,15 +71,20 @@ PIECE_ORDER = ((0, 0), (1, 1), (0, 1), (0, 2), (1, 0), (1, 2))
 SCALE = 576 ** -0.5
 
 
-def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool = False):
+def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool = False,
+                 swizzle: int = 64, share: int = 2):
   """Each CTA: the query and two tiles into SMEM, then `tiles` tiles of the
   chain (`variant` "halves" as the kernels run, "pairs" or "pieces"); out
   `[ctas, 64, 512]` f32 and the LSE `[ctas, 64]`.
 
   With `stream`, the producer loads every tile into the two-stage ring as the
   kernels do (a stage is reloaded once both consumers release it: under pairs,
-  after the pair), tile `(cta // 2) * tiles + t` of k's tiles, modulo their
-  number: two CTAs read each tile, as the two head groups of 128 heads do.
+  after the pair), tile `(cta // share) * tiles + t` of k's tiles, modulo
+  their number: with `share` 2, two CTAs read each tile, as the two head groups
+  of 128 heads do; with 1, every CTA reads its own (one head group).
+  `swizzle`: the query's and ring's swizzle in bytes, 64 (the kernels at 128
+  heads) or 128 (at 16-64 heads, where the halves multiply the whole P at
+  once, `seesaw_pv_whole`, as the kernels do).
   "pieces" is pairs (streamed only) with each stage's three pieces (latent
   halves, RoPE rows) loaded and released on their own barriers: a latent half
   is free after the PV of the consumer whose value half it is, the RoPE rows
@@ -90,6 +95,7 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
   pairs = variant in ("pairs", "pieces")
   assert not pieces or (stream and q_regs == 0)
   width = TILE if pairs else SLOT_HALF
+  whole = swizzle == 128 and not pairs
   assert tiles % 2 == 0
   scale_log2 = SCALE * LOG2E
 
@@ -103,7 +109,7 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
       wg = lax.axis_index("wg")
 
       def piece_copy(t, stage, piece):
-        src = lax.rem((cta // 2) * tiles + t, n_src)
+        src = lax.rem((cta // share) * tiles + t, n_src)
         bar = piece_bar.at[3 * stage + piece]
         if piece < 2:
           plgpu.copy_gmem_to_smem(
@@ -141,7 +147,7 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
           stage = lax.rem(t, 2)
           if stream:
             pl.when(t >= 2)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
-          src = lax.rem((cta // 2) * tiles + t, n_src)
+          src = lax.rem((cta // share) * tiles + t, n_src)
           for h in range(2):
             plgpu.copy_gmem_to_smem(
                 k_ref.at[src, :, pl.ds(h * HALF, HALF)], k_lat.at[stage, h], kv_bar.at[stage])
@@ -199,6 +205,10 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
             wait_stage(lax.div(i, 2), stage)
           s = S.tile_scores(q_lat, q_rope, k_lat, k_rope, stage, slots, q_head=q_head)
 
+        def pv_whole(acc, *, p_own):
+          return S.seesaw_pv_whole(acc, k_lat=k_lat, slot=stage, wg=wg, p_smem=p_smem,
+                                   p_own=p_own, compiled=True)
+
         def pv(acc, cols, *, p=None, p_cols=None):
           # Under pairs a P column slice names its tile, whose RoPE rows
           # (dead once its QK is done) hold that tile's P.
@@ -218,9 +228,12 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
           return S.seesaw_pv(acc, cols, k_lat=k_lat, slot=stage, wg=wg, p_smem=p_smem,
                            p_scratch=None, p=p, p_cols=p_cols)
 
-        out = S.seesaw_tile(wg, s * scale_log2, carry, pv=pv, xchg=xchg, p_smem=p_smem,
-                          bars=bars, fence=True, regions=False, width=width,
-                          p_half=(lambda k: k_rope.at[k]) if pairs else None)
+        # (Under the whole P, the other's half is read with plain loads: the
+        # kernels fence only a segment's last tile there.)
+        out = S.seesaw_tile(wg, s * scale_log2, carry, pv=pv_whole if whole else pv, xchg=xchg,
+                            p_smem=p_smem, bars=bars, whole_pv=whole, fence=not whole,
+                            regions=False, width=width,
+                            p_half=(lambda k: k_rope.at[k]) if pairs else None)
         if stream and not pieces:
           for st in ((0, 1) if pairs else (stage,)):
             plgpu.barrier_arrive(free_bar.at[st])
@@ -235,15 +248,16 @@ def probe_kernel(variant: str, tiles: int, ctas: int, q_regs: int, stream: bool 
       if wg == 0:
         lse_ref[cta] = lse
 
-    kv = bf16_tile(64)
+    kv = bf16_tile(swizzle)
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEAD_TILE, HALF), jnp.bfloat16, transforms=kv),
         plgpu.SMEM((2, 2, TILE, HALF), jnp.bfloat16, transforms=kv),
         plgpu.SMEM((2, TILE, ROPE), jnp.bfloat16, transforms=kv),
-        # P (under pairs, in the tiles' RoPE rows; this is left unused).
-        plgpu.SMEM((HEAD_TILE, 2 * SLOT_HALF), jnp.bfloat16, transforms=kv),
-        plgpu.SMEM((2, HEAD_TILE), jnp.float32),
+        # The kernels' P tile (under the 64-byte swizzle whatever the ring's;
+        # under pairs P lives in the tiles' RoPE rows and this is left unused)
+        # and exchange rows.
+        *S.seesaw_scratch(),
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=3, num_barriers=2),
@@ -292,6 +306,11 @@ def main(argv=None) -> int:
                   help="0: the two tiles stay in SMEM; 1: every tile streams through the ring")
   ap.add_argument("--src-tiles", type=int, default=4096,
                   help="distinct tiles the streamed timing reads from")
+  ap.add_argument("--swizzle", type=int, default=64, choices=(64, 128),
+                  help="the query's and ring's swizzle (bytes): 64 as the kernels at 128"
+                       " heads, 128 as at 16-64")
+  ap.add_argument("--share", type=int, default=2, choices=(1, 2),
+                  help="streamed: CTAs reading each tile (2: two head groups; 1: one)")
   ap.add_argument("--lower-only", action="store_true",
                   help="lower every variant for CUDA on this machine and stop")
   args = ap.parse_args(argv)
@@ -300,13 +319,14 @@ def main(argv=None) -> int:
   q = jax.random.normal(kq, (HEAD_TILE, 576), jnp.bfloat16)
   k = jax.random.normal(kk, (2, TILE, 576), jnp.bfloat16)
   ctas = args.ctas or (132 if args.lower_only else device_sms())
+  kw = dict(swizzle=args.swizzle, share=args.share)
   if args.lower_only:
     for variant in VARIANTS:
       for q_regs in args.q_regs:
         for stream in args.stream:
           if not runs(variant, q_regs, stream):
             continue
-          fn = jax.jit(probe_kernel(variant, args.tiles[0], ctas, q_regs, bool(stream)))
+          fn = jax.jit(probe_kernel(variant, args.tiles[0], ctas, q_regs, bool(stream), **kw))
           fn.trace(q, k).lower(lowering_platforms=("cuda",))
           print(f"{variant} q_regs={q_regs} stream={stream}: lowered")
     return 0
@@ -323,7 +343,7 @@ def main(argv=None) -> int:
         # Checked at 2 tiles (and streamed at 16: the ring's reloads), on
         # the two tiles.
         n_check = 16 if stream else 2
-        fn = jax.jit(probe_kernel(variant, n_check, ctas, q_regs, bool(stream)))
+        fn = jax.jit(probe_kernel(variant, n_check, ctas, q_regs, bool(stream), **kw))
         o, lse = jax.block_until_ready(fn(q, k))
         err = float(jnp.max(jnp.abs(o - o_ref[None])) / jnp.max(jnp.abs(o_ref)))
         # n copies of the two tiles: the same weights, the LSE + log(n / 2).
@@ -332,18 +352,21 @@ def main(argv=None) -> int:
         print(f"{variant} q_regs={q_regs} stream={stream}, {n_check} tiles: rel err {err:.2e},"
               f" lse err {lse_err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
         src = k_big if stream else k
-        us = [_time_us(jax.jit(probe_kernel(variant, n, ctas, q_regs, bool(stream))), q, src)
+        us = [_time_us(jax.jit(probe_kernel(variant, n, ctas, q_regs, bool(stream), **kw)), q, src)
               for n in args.tiles]
         slope = (us[1] - us[0]) / (args.tiles[1] - args.tiles[0])
+        # Distinct tile bytes a tile step brings in over the whole device.
+        tbs = ctas / args.share * TILE * 576 * 2 / slope * 1e-6 if stream else None
         rows.append((variant, q_regs, stream, us[0], us[1], slope,
-                     flop_tile * ctas / slope * 1e-6))
-  print(f"\n{ctas} CTAs, {HEAD_TILE} heads each; µs per call at {args.tiles[0]} / {args.tiles[1]}"
-        " tiles; per tile = the slope; streamed: two CTAs read each tile")
-  print("| variant | q_regs | streamed | µs | µs | µs per tile | TFLOP/s |")
-  print("|---|---|---|---|---|---|---|")
-  for variant, q_regs, stream, a, b, slope, tf in rows:
+                     flop_tile * ctas / slope * 1e-6, tbs))
+  print(f"\n{ctas} CTAs, {HEAD_TILE} heads each, {args.swizzle}-byte swizzle; µs per call at"
+        f" {args.tiles[0]} / {args.tiles[1]} tiles; per tile = the slope; streamed:"
+        f" {args.share} CTA(s) read each tile (TB/s: distinct tile bytes)")
+  print("| variant | q_regs | streamed | µs | µs | µs per tile | TFLOP/s | TB/s |")
+  print("|---|---|---|---|---|---|---|---|")
+  for variant, q_regs, stream, a, b, slope, tf, tbs in rows:
     print(f"| {variant} | {q_regs} | {'yes' if stream else 'no'} | {a:.1f} | {b:.1f} |"
-          f" {slope:.3f} | {tf:.0f} |")
+          f" {slope:.3f} | {tf:.0f} | {'-' if tbs is None else f'{tbs:.2f}'} |")
   return 0
 
 
