@@ -31,7 +31,8 @@ garbage, the timing is not), and at 16 tiles streamed.
 Outcome on an H100 (kernels/mla_decode/NOTES.md, "FlashMLA's pair schedule,
 probed"): the chain alone is 18-20% faster in pairs, but streamed the pair
 stalls the two-stage ring (3.7 µs a tile, 3.0 in pieces, against the halves'
-2.0), as the two builds of the schedule in dense decode did on 2026-11-30
+2.0; under the 64-head layout, `--swizzle 128 --share 1`, 4.3 and 3.9 against
+3.1 at the HBM rate), as the two builds of the schedule in dense decode did on 2026-11-30
 (NOTES.md, "Two tiles in flight"), so both kernels keep the halves.
 """
 
