@@ -188,8 +188,9 @@ def seesaw_tile(wg: int, s, carry, *, pv, xchg, p_smem, bars, clean=None, whole_
                 fence=True, regions=True, width=SLOT_HALF, p_half=None):
   """One 64-slot tile's softmax and PV, FlashMLA's "seesaw" over its two halves.
 
-  Warpgroup `wg` (static) scored slots `[32 wg, 32 wg + 32)`: `s` is `[64, 32]`
-  float32, scaled to log2 units and masked (-inf). The running maximum
+  Warpgroup `wg` (static) scored slots `[width wg, width (wg + 1))` (`width`
+  below: 32 in both kernels): `s` is `[64, width]` float32, scaled to log2
+  units and masked (-inf). The running maximum
   passes from one warpgroup to the other instead of being agreed on:
   warpgroup 0 folds its half in first (m0 = max(m, its rows)), warpgroup 1
   then (m1 = max(m0, its rows)); each multiplies its own half's P (from
