@@ -178,7 +178,8 @@ PLAN_VARIANTS = {**{f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)},
 # in halves (two CTAs per tile in a cluster) wherever it can run, "hf16p" in
 # halves with float16 partials; "rolled" the grouped pass as loops over its
 # live splits and groups, "rhalves" so in halves, "rf16p" so with float16
-# partials (as the default); "unrolled" as straight-line code (float32).
+# partials (as the default), "rhf16p" in halves as loops with float16 partials;
+# "unrolled" as straight-line code (float32).
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
@@ -190,7 +191,9 @@ MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True
                   "rolled": dict(group_rolled=True), "unrolled": dict(group_rolled=False),
                   "rhalves": dict(grouped=True, group_halves=True, group_rolled=True),
                   "rf16p": dict(group_rolled=True, f16_partials=True),
-                  "hf16p": dict(grouped=True, group_halves=True, f16_partials=True)}
+                  "hf16p": dict(grouped=True, group_halves=True, f16_partials=True),
+                  "rhf16p": dict(grouped=True, group_halves=True, group_rolled=True,
+                                 f16_partials=True)}
 
 
 def kernel_and_merge(names, copies):
