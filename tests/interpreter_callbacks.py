@@ -16,14 +16,6 @@ arrays XLA passes in, and lets the interpreter's scalar conversion
 NumPy on those buffers either way, so results are bit for bit the same:
 `tests/test_interpreter_callbacks.py` compares kernels run both ways.
 
-`install()` also compiles the programs the interpreter runs its warpgroups
-with (`thread_map._run_jaxpr`, one XLA program per kernel body, each a few
-thousand callbacks long) at XLA's lowest backend optimization
-(`COMPILE_OPTIONS`): those programs only sequence callbacks, and LLVM's
-optimization of them was most of their compile (~1.2 s a program; a dense
-test's compiles 9.6 -> 4.7 s). The test's own programs (references, merges in
-XLA, the outer call) keep the default.
-
 It patches private JAX modules, so it applies only to the version it was
 written against (`JAX_VERSION`); under any other, `install()` changes
 nothing and the suite runs on JAX's own path.
@@ -41,9 +33,6 @@ JAX_VERSION = "0.11.2"
 
 _saved: dict[str, object] = {}
 
-# XLA compile options of the interpreter's per-warpgroup programs.
-COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
 
 def _defined_in(flat_callback, module: str) -> bool:
   """Whether an `io_callback`'s function (under any `functools.partial`) is `module`'s."""
@@ -60,12 +49,10 @@ def install() -> bool:
   from jax._src import callback as jax_callback
   from jax._src import config, tree_util
   from jax._src import xla_bridge as xb
-  from jax._src.pallas.mosaic.interpret import thread_map
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, shared_memory
 
   io_callback_impl = jax_callback.io_callback_impl
   to_int = shared_memory._to_int
-  run_jaxpr = thread_map._run_jaxpr
 
   def numpy_io_callback_impl(*args, result_avals, callback, sharding, ordered):
     if not _defined_in(callback, gpu_callbacks.__name__):
@@ -81,15 +68,9 @@ def install() -> bool:
       return int(x)
     return to_int(x)
 
-  def run_jaxpr_compiled_plainly(jaxpr, consts, *args):
-    # As JAX's own, compiled with `COMPILE_OPTIONS`.
-    traced = jax.jit(thread_map._run, static_argnums=(0,)).trace(jaxpr, consts, *args)
-    traced.lower().compile(compiler_options=COMPILE_OPTIONS)(consts, *args)
-
-  _saved.update(io_callback_impl=io_callback_impl, to_int=to_int, run_jaxpr=run_jaxpr)
+  _saved.update(io_callback_impl=io_callback_impl, to_int=to_int)
   jax_callback.io_callback_impl = numpy_io_callback_impl
   shared_memory._to_int = numpy_to_int
-  thread_map._run_jaxpr = run_jaxpr_compiled_plainly
   return True
 
 
@@ -98,12 +79,10 @@ def uninstall() -> None:
   if not _saved:
     return
   from jax._src import callback as jax_callback
-  from jax._src.pallas.mosaic.interpret import thread_map
   from jax._src.pallas.mosaic_gpu.interpret import shared_memory
 
   jax_callback.io_callback_impl = _saved.pop("io_callback_impl")
   shared_memory._to_int = _saved.pop("to_int")
-  thread_map._run_jaxpr = _saved.pop("run_jaxpr")
 
 
 @contextlib.contextmanager
