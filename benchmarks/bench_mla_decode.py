@@ -21,9 +21,11 @@ scaled float16 but for rows of 8-32 heads; checked within the float16
 rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge), ":g8f16p"
 in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":halves" the grouped pass in halves, two CTAs per tile in a cluster,
-wherever it can run (never the default), ":hf16p" in halves with float16
-partials; ":rolled" the grouped pass as loops, the default (":rhalves" in
-halves, ":rf16p" with float16 partials, as the default), and ":unrolled" as
+wherever it can run (the default past one grouped CTA's 128 splits),
+":hf16p" and ":rhf16p" in halves with float16 partials (as the default
+wherever the pass runs as loops); ":rolled" the grouped pass as loops, the
+default (":rhalves" in halves, ":rf16p" with float16 partials, as the
+default), and ":unrolled" as
 straight-line code over every split slot, with float32 partials (every other
 grouped variant is rolled);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
@@ -178,7 +180,8 @@ PLAN_VARIANTS = {**{f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)},
 # in halves (two CTAs per tile in a cluster) wherever it can run, "hf16p" in
 # halves with float16 partials; "rolled" the grouped pass as loops over its
 # live splits and groups, "rhalves" so in halves, "rf16p" so with float16
-# partials (as the default), "rhf16p" in halves as loops with float16 partials;
+# partials (as the default), "rhf16p" in halves as loops with float16 partials
+# (the default past `GROUP_MAX_SPLITS` splits; "rhalves" is the same there);
 # "unrolled" as straight-line code (float32).
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),

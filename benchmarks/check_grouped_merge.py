@@ -84,9 +84,9 @@ HALVES_CASES = ((64, [20000], 133, HALVES), (40, [9000], 40, HALVES),
                 (64, [12000, 9001], 101, HALVES))
 ROLLED_CASES = ((64, [12000, 9001], 101, dict(group_rolled=False)),
                 (128, [9000], 40, dict(group_rolled=False)),
-                (64, [20000], 133, dict(HALVES, group_rolled=True)),
+                (64, [20000], 133, dict(grouped=False)),
                 (64, [12000, 9001], 101, dict(f16_partials=False)),
-                (64, [20000], 133, dict(HALVES, group_rolled=True, f16_partials=True)),
+                (64, [20000], 133, dict(HALVES, f16_partials=False)),
                 (64, [12000, 9001], 101, dict(HALVES, group_rolled=True, f16_partials=True)))
 
 
@@ -97,9 +97,11 @@ def check_halves(rng, kernel_kw, cases):
   64 (133 splits, past one CTA's grouped merge), 1 x 40 heads at 40 splits
   (the last head group's real rows) and 2 x 64 (101 splits, two CTAs an SM);
   `ROLLED_CASES` the grouped merges of 2 x 64 and 1 x 128 as straight-line
-  code (the default is loops), the halves as loops at 1 x 64, 2 x 64
-  with float32 partials (the default is float16), and the halves as loops
-  with float16 partials at 1 x 64 and 2 x 64. Each against the
+  code (the default is loops), 1 x 64 at 133 splits in the per-split
+  ring's two passes and in halves with float32 partials (the default there
+  is halves as loops with float16 partials), 2 x 64 with float32 partials
+  (the default is float16), and 2 x 64 in halves as loops with float16
+  partials. Each against the
   reference, and against the default merge (two passes, or one CTA per
   tile) on the same plan: clean in
   "select" (poisoned "select" the same bits as clean) and poisoned in

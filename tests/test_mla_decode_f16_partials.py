@@ -196,17 +196,28 @@ def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, p
     (64, 40, dict(grouped=False), True),  # two passes
     (64, 10, dict(grouped=True), True),  # the grouped merge as loops
     (64, 10, dict(grouped=True, group_rolled=False), False),  # as straight-line code
-    (64, 40, dict(grouped=True, group_halves=True), False),  # in halves
+    (64, 40, dict(grouped=True, group_halves=True), True),  # in halves, as loops
+    (64, 40, dict(grouped=True, group_halves=True, group_rolled=False), False),  # straight
     (16, 3, {}, False),  # rows of 8-32 heads: the stacked merge
     (64, 3, dict(f16_partials=False), False),
     (64, 10, dict(grouped=True, group_rolled=False, f16_partials=True), True),
 ])
 def test_which_partials_the_default_stores(heads, splits, kw, want):
   """Float16 partials by default wherever they were timed faster (the ring,
-  the grouped merge as loops), float32 where not (the grouped merge as
-  straight-line code or in halves, rows of 8-32 heads); `f16_partials` forces
+  the grouped merge as loops, whole or in halves), float32 where not (the
+  grouped merge as straight-line code, rows of 8-32 heads); `f16_partials` forces
   either. Read off the traced call: the width of the decode kernel's partials
   (its first output; the kernels are the traced call's `custom_vmap_call`s)."""
+  kernels = traced_kernels(heads, splits, kw)
+  assert len(kernels) >= 2  # the decode kernel, then the merge or merges
+  partials = kernels[0].outvars[0].aval
+  assert partials.shape[0] == 2 and partials.ndim >= 4  # [batch, splits or channels, ...]
+  assert partials.dtype.itemsize == (2 if want else 4)
+
+
+def traced_kernels(heads, splits, kw):
+  """The Pallas kernels (`custom_vmap_call`s) of a traced call on a row cut
+  into `splits` splits (and an empty row), in order."""
   from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
   lens = [(splits + 2) * BS, 0]
@@ -220,11 +231,26 @@ def test_which_partials_the_default_stores(heads, splits, kw, want):
   body = jitted_body(lambda q, c, t, n: _mla_decode(
       q, c, t, n, plan, sm_scale=SCALE, select=True, interpret=None, kv_swizzle=64,
       q_regs=0, **kw), q, cache, table, jax.ShapeDtypeStruct((2,), jnp.int32))
-  kernels = [e for e in body if e.primitive.name == "custom_vmap_call"]
-  assert len(kernels) >= 2  # the decode kernel, then the merge or merges
-  partials = kernels[0].outvars[0].aval
-  assert partials.shape[0] == 2 and partials.ndim >= 4  # [batch, splits or channels, ...]
-  assert partials.dtype.itemsize == (2 if want else 4)
+  return [e for e in body if e.primitive.name == "custom_vmap_call"]
+
+
+@pytest.mark.parametrize("heads", [64, 40])
+def test_rows_past_one_grouped_cta_merge_in_halves_by_default(heads):
+  """Past `GROUP_MAX_SPLITS` splits (1 x 64 at 133 on 132 SMs) the default
+  merges in halves as loops with float16 partials: one merge kernel, where
+  the per-split ring (`grouped=False`, the default before) takes two passes."""
+  from jaxkv.kernels.mla_decode import merge_tiling
+
+  splits = merge_tiling.GROUP_MAX_SPLITS + 5
+  default = traced_kernels(heads, splits, {})
+  assert len(default) == 2 and default[0].outvars[0].aval.dtype.itemsize == 2
+  halves = traced_kernels(heads, splits, dict(grouped=True, group_halves=True))
+  assert [k.outvars[0].aval for k in default] == [k.outvars[0].aval for k in halves]
+  assert len(traced_kernels(heads, splits, dict(grouped=False))) == 3
+  # At the one-CTA bound the grouped merge takes rows whole (never halves).
+  at_bound = traced_kernels(heads, merge_tiling.GROUP_MAX_SPLITS, {})
+  whole = traced_kernels(heads, merge_tiling.GROUP_MAX_SPLITS, dict(group_halves=False))
+  assert [k.outvars[0].aval for k in at_bound] == [k.outvars[0].aval for k in whole]
 
 
 def test_float16_partials_lower_for_hopper():

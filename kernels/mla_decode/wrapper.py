@@ -201,14 +201,24 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # forces it where it can run / keeps it off, `group_cols` sets its channels
   # per CTA), which reads the partials in its own layout. `group_halves=True`
   # runs it in halves, two CTAs per tile in a cluster, each over half of the
-  # splits, where it can run (never by default: on an H100, as straight-line
-  # code it was slower wherever it was timed, 1 x 64 x 128K's merge 2.5x the
-  # two passes', and as loops level with them, 1.004-1.016; NOTES.md).
+  # splits, where it can run. By default (None) it does so as loops with
+  # float16 partials where a row has more splits than one grouped CTA takes
+  # (`GROUP_MAX_SPLITS`: 1 x 64 at 133 splits on 132 SMs), instead of the
+  # per-split ring's two passes: on an H100, 0.957-0.959 of them end to end
+  # at 1 x 64 x 128K, 0.943 at 1 x 64 x 64K; at 27-101 splits, where one
+  # grouped CTA per tile takes the rows, halves lost (1.008-1.036; NOTES.md).
+  # As straight-line code, halves were slower wherever timed.
   # `group_rolled` (the default) runs it as loops over the live splits and
   # groups: on an H100 its merge took 6.2-6.6 µs where the straight-line code
   # over every split slot took 7.0-9.2, end to end 0.93-1.00 of it at every
   # grouped shape timed (NOTES.md); False keeps the straight-line code.
   head_groups = heads_padded // _layout.HEAD_TILE
+  few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
+                                num_splits=plan.num_splits) > 1
+  if group_halves is None:
+    group_halves = (group_rolled and not few_heads
+                    and not _tiling.can_group(plan.num_splits)
+                    and _tiling.can_group(plan.num_splits, True))
   halves = bool(group_halves) and _tiling.can_group(plan.num_splits, True) and not finish_rows
   if grouped is None:
     group = halves or _tiling.use_grouped(
@@ -224,19 +234,18 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # where the per-split ring merges them in one pass or two (1.5-4.7% faster
   # on the H200 at batch 1-200 and 64-128 heads, NOTES.md). The grouped
   # merge reads them too (stored from registers in its column slices) and
-  # takes them by default as loops (`group_rolled`): on an H100, 0.965-0.985
-  # of float32 end to end at every grouped shape timed, the decode kernel
-  # writing half the bytes. As straight-line code (`group_rolled=False`) or in
-  # halves it keeps float32: there its merge got slower (its code, not its
-  # bytes, bounded it; 2 x 64 x 64K lost 17% end to end, NOTES.md).
+  # takes them by default as loops (`group_rolled`), whole or in halves: on an
+  # H100, 0.965-0.985 of float32 end to end at every grouped shape timed, the
+  # decode kernel writing half the bytes; in halves 0.966 of float32 at 1 x 64
+  # x 128K. As straight-line code (`group_rolled=False`) it keeps float32:
+  # there its merge got slower (its code, not its bytes, bounded it; 2 x 64 x
+  # 64K lost 17% end to end, NOTES.md).
   # Rows of 8-32 heads keep float32 whichever merge takes
   # them (the stacked merge reads float32, and its A/B knobs then compare
   # like with like). `f16_partials` True / False forces them on where they
   # can run / off.
-  few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
-                                num_splits=plan.num_splits) > 1
   if f16_partials is None:
-    f16_partials = not few_heads and (not group or (group_rolled and not halves))
+    f16_partials = not few_heads and (not group or group_rolled)
   elif f16_partials and packed:
     raise ValueError("f16_partials: not with the stacked merge of rows of 8-32 heads")
   # One tiling for both: the decode kernel stores its partials in the grouped
