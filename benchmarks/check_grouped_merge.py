@@ -80,7 +80,7 @@ def check_grouped(rng, kernel_kw):
 # (heads, lengths, splits, the variant's `_mla_decode` arguments) of the
 # "halves" and "rolled" checks.
 HALVES = dict(grouped=True, group_halves=True)
-HALVES_CASES = ((64, [20000], 133, HALVES), (40, [9000], 40, HALVES),
+HALVES_CASES = ((64, [20000], 133, dict(HALVES, group_rolled=False)), (40, [9000], 40, HALVES),
                 (64, [12000, 9001], 101, HALVES))
 ROLLED_CASES = ((64, [12000, 9001], 101, dict(group_rolled=False)),
                 (128, [9000], 40, dict(group_rolled=False)),
@@ -92,9 +92,11 @@ ROLLED_CASES = ((64, [12000, 9001], 101, dict(group_rolled=False)),
 
 def check_halves(rng, kernel_kw, cases):
   """The grouped merge in halves (two CTAs per tile in a cluster, the second's
-  sums handed on through GMEM at `barrier.cluster`; forced, never the
-  default), or as loops or not (`group_rolled`), at `cases`: `HALVES_CASES` at 1 x
-  64 (133 splits, past one CTA's grouped merge), 1 x 40 heads at 40 splits
+  sums handed on through GMEM at `barrier.cluster`; the default past one
+  CTA's 128 splits, as loops with float16 partials, forced elsewhere), or as
+  loops or not (`group_rolled`), at `cases`: `HALVES_CASES` at 1 x 64 (133
+  splits, past one CTA's grouped merge; as straight-line code, against the
+  default's loops), 1 x 40 heads at 40 splits
   (the last head group's real rows) and 2 x 64 (101 splits, two CTAs an SM);
   `ROLLED_CASES` the grouped merges of 2 x 64 and 1 x 128 as straight-line
   code (the default is loops), 1 x 64 at 133 splits in the per-split
