@@ -181,7 +181,8 @@ PLAN_VARIANTS = {**{f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)},
 # halves with float16 partials; "rolled" the grouped pass as loops over its
 # live splits and groups, "rhalves" so in halves, "rf16p" so with float16
 # partials (as the default), "rhf16p" in halves as loops with float16 partials
-# (the default past `GROUP_MAX_SPLITS` splits; "rhalves" is the same there);
+# (the default past `GROUP_MAX_SPLITS` splits; "hf16p", rolled by default, and
+# "rhalves", float16 by default, now run the same call);
 # "unrolled" as straight-line code (float32).
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),

@@ -213,12 +213,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # over every split slot took 7.0-9.2, end to end 0.93-1.00 of it at every
   # grouped shape timed (NOTES.md); False keeps the straight-line code.
   head_groups = heads_padded // _layout.HEAD_TILE
-  few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
-                                num_splits=plan.num_splits) > 1
   if group_halves is None:
-    group_halves = (group_rolled and not few_heads
-                    and not _tiling.can_group(plan.num_splits)
-                    and _tiling.can_group(plan.num_splits, True))
+    group_halves = group_rolled and plan.num_splits > _tiling.GROUP_MAX_SPLITS
   halves = bool(group_halves) and _tiling.can_group(plan.num_splits, True) and not finish_rows
   if grouped is None:
     group = halves or _tiling.use_grouped(
@@ -244,6 +240,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # them (the stacked merge reads float32, and its A/B knobs then compare
   # like with like). `f16_partials` True / False forces them on where they
   # can run / off.
+  few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
+                                num_splits=plan.num_splits) > 1
   if f16_partials is None:
     f16_partials = not few_heads and (not group or group_rolled)
   elif f16_partials and packed:
