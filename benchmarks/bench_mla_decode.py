@@ -27,7 +27,8 @@ wherever the pass runs as loops); ":rolled" the grouped pass as loops, the
 default (":rhalves" in halves, ":rf16p" with float16 partials, as the
 default), and ":unrolled" as
 straight-line code over every split slot, with float32 partials (every other
-grouped variant is rolled);
+grouped variant is rolled); ":unlean" the loops as first timed (the live
+count before the first copies, the maximum split by split);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`, ":ns2" ... ":ns6" on a
 plan of that many split slots per row, `MLADecodeConfig(num_splits=...)`, ":so0"
@@ -183,7 +184,8 @@ PLAN_VARIANTS = {**{f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)},
 # partials (as the default), "rhf16p" in halves as loops with float16 partials
 # (the default past `GROUP_MAX_SPLITS` splits; "hf16p", rolled by default, and
 # "rhalves", float16 by default, now run the same call);
-# "unrolled" as straight-line code (float32).
+# "unrolled" as straight-line code (float32); "unlean" the loops as first
+# timed (the live count before the first copies, the maximum split by split).
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
@@ -197,7 +199,8 @@ MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True
                   "rf16p": dict(group_rolled=True, f16_partials=True),
                   "hf16p": dict(grouped=True, group_halves=True, f16_partials=True),
                   "rhf16p": dict(grouped=True, group_halves=True, group_rolled=True,
-                                 f16_partials=True)}
+                                 f16_partials=True),
+                  "unlean": dict(group_lean=False)}
 
 
 def kernel_and_merge(names, copies):

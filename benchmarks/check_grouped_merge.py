@@ -87,7 +87,9 @@ ROLLED_CASES = ((64, [12000, 9001], 101, dict(group_rolled=False)),
                 (64, [20000], 133, dict(grouped=False)),
                 (64, [12000, 9001], 101, dict(f16_partials=False)),
                 (64, [20000], 133, dict(HALVES, f16_partials=False)),
-                (64, [12000, 9001], 101, dict(HALVES, group_rolled=True, f16_partials=True)))
+                (64, [12000, 9001], 101, dict(HALVES, group_rolled=True, f16_partials=True)),
+                (64, [20000], 133, dict(group_lean=False)),
+                (64, [12000, 9001], 101, dict(group_lean=False)))
 
 
 def check_halves(rng, kernel_kw, cases):
@@ -102,8 +104,9 @@ def check_halves(rng, kernel_kw, cases):
   code (the default is loops), 1 x 64 at 133 splits in the per-split
   ring's two passes and in halves with float32 partials (the default there
   is halves as loops with float16 partials), 2 x 64 with float32 partials
-  (the default is float16), and 2 x 64 in halves as loops with float16
-  partials. Each against the
+  (the default is float16), 2 x 64 in halves as loops with float16
+  partials, and 1 x 64 at 133 splits and 2 x 64 with the loops as first
+  timed (`group_lean=False`). Each against the
   reference, and against the default merge (two passes, or one CTA per
   tile) on the same plan: clean in
   "select" (poisoned "select" the same bits as clean) and poisoned in

@@ -103,18 +103,19 @@ def test_grouped_merge_in_halves_lowers_for_hopper():
   assert "cp.async.bulk.shared::cta.global" in text  # the LSE and the groups of splits
   # As loops (`rolled`): a fraction of the straight-line code, whose size
   # grows with the splits.
-  rolled = merge.build_merge(batch=batch, num_splits=splits, heads_padded=hp, dv=512,
-                             max_tokens=2112 * 64, out_dtype=jnp.bfloat16, interpret=None,
-                             group=True, halves=True, stage_out=True, rolled=True)
-  small = jax.jit(rolled).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "cp.async.bulk.shared::cta.global" in small and "barrier.cluster" in small
-  assert len(small) < len(text) / 8, (len(small), len(text))
+  for lean in (False, True):  # "lean": the live count after the first copies
+    rolled = merge.build_merge(batch=batch, num_splits=splits, heads_padded=hp, dv=512,
+                               max_tokens=2112 * 64, out_dtype=jnp.bfloat16, interpret=None,
+                               group=True, halves=True, stage_out=True, rolled=True, lean=lean)
+    small = jax.jit(rolled).trace(i32(batch), i32(batch, splits + 1), o, lse).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "cp.async.bulk.shared::cta.global" in small and "barrier.cluster" in small
+    assert len(small) < len(text) / 6, (len(small), len(text))
 
 @pytest.mark.parametrize(
     "splits, group, stages, rolled",
     [(3, False, None, False), (9, False, None, False), (9, True, 2, False), (20, True, 1, False),
-     (9, True, 2, True), (20, True, 1, True)],
+     (9, True, 2, "loops"), (20, True, 1, "loops"), (9, True, 2, "lean"), (20, True, 1, "lean")],
 )
 def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, stages, rolled):
   """The merge reads a row's live splits only (more of them than its ring
@@ -122,7 +123,8 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   split over the whole row) exactly as they were. With `group` the splits
   come 8 per copy (the last copy overlapping the one before it at 9 and 20)
   and, with one group in flight, the ring refills behind the reads. `rolled`:
-  the grouped pass as loops over the live splits and groups."""
+  the grouped pass as loops over the live splits and groups ("lean": the
+  live count after the first copies, the maximum over groups)."""
   from jaxkv.kernels.mla_decode.merge import build_merge
   from jaxkv.kernels.mla_decode.merge_tiling import merge_tiling, wide_partials
 
@@ -159,7 +161,8 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   tiling = dict(cols=64 if stages == 1 else 32, stages=stages) if stages else {}
   merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
                       max_tokens=30 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
-                      finish_rows=True, group=group, rolled=rolled, **tiling)
+                      finish_rows=True, group=group, rolled=bool(rolled),
+                      lean=rolled == "lean", **tiling)
   if group:  # the grouped merge reads the partials in its own layout
     cols = tiling["cols"]
     o_bad, lse_bad = wide_partials(o_bad, lse_bad, cols)
@@ -178,7 +181,8 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
 
 
 
-@pytest.mark.parametrize("stages, rolled", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("stages, rolled",
+                         [(1, False), (2, False), (1, "loops"), (1, "lean"), (2, "lean")])
 def test_grouped_merge_in_halves_matches_combine(stages, rolled):
   """The grouped merge in halves (`build_merge(halves=True)`): a cluster of two
   CTAs per tile, the first over groups 0-1 of 20 splits, the second over
@@ -186,7 +190,9 @@ def test_grouped_merge_in_halves_matches_combine(stages, rolled):
   either CTA's share, one whose second CTA has no live split, an empty row;
   NaN in every dead slot (never read), and a NaN LSE in the second CTA's
   share (head 7 of row 0, NaN there alone). With one group in flight the
-  first CTA's ring refills behind its reads. `rolled`: as loops."""
+  first CTA's ring refills behind its reads. `rolled`: as loops ("lean": the
+  live count after the first copies, the maximum over groups; bit for bit
+  the loops' result)."""
   from jaxkv.kernels.mla_decode import merge_tiling
   from jaxkv.kernels.mla_decode.merge import build_merge
 
@@ -204,11 +210,17 @@ def test_grouped_merge_in_halves_matches_combine(stages, rolled):
   seq_lens = jnp.asarray(live * BS - 3, jnp.int32)
   # 64 channels per CTA, not the tuned 8: a grid the interpreter runs in an
   # eighth of the time, the same copies of 8 splits.
-  merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
-                      max_tokens=splits * BS, out_dtype=jnp.bfloat16, interpret=RACES,
-                      group=True, halves=True, cols=64, stages=stages, stage_out=True,
-                      rolled=rolled)
-  out, lse_out = merge(seq_lens, bounds, *merge_tiling.wide_partials(o_bad, lse_bad, 64))
+  def merge(rolled):
+    call = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
+                       max_tokens=splits * BS, out_dtype=jnp.bfloat16, interpret=RACES,
+                       group=True, halves=True, cols=64, stages=stages, stage_out=True,
+                       rolled=bool(rolled), lean=rolled == "lean")
+    return call(seq_lens, bounds, *merge_tiling.wide_partials(o_bad, lse_bad, 64))
+
+  out, lse_out = merge(rolled)
+  if rolled == "lean":
+    for a, b in zip(merge("loops"), (out, lse_out)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   out32, want = np.asarray(out, np.float32), np.asarray(want)
   assert out.shape == (batch, heads, 512) and out.dtype == jnp.bfloat16

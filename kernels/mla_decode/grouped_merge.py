@@ -21,13 +21,14 @@ from .merge_tiling import GROUP, group_box_start
 from .seesaw import softmax_start
 
 
-def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, merged, *,
+def merge_row_grouped(b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, merged, *,
                       num_splits: int, dv: int, cols: int, heads_padded: int, stages: int,
-                      halves=None, rolled: bool = False):
+                      halves=None, rolled: bool = False, lean: bool = False):
   """Merges row b's n live splits (its first n; a CTA merges all of a row's
   splits, or in `halves` half of them), `GROUP` per copy, weighted by their
   LSE maximum taken first, and calls `merged(acc, m, l)` with the sums (m in
-  log2 units, -inf where no split is live).
+  log2 units, -inf where no split is live). `count()` gives n (it loads the
+  row's bounds from GMEM).
 
   chans: this CTA's `pl.ds` of value channels. o_ref: `wide_partials`'
   layout flattened to `[-1, 64, cols]` (`merge.merge_call`'s `flat`), lse_ref
@@ -50,9 +51,17 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
   over the live groups (each group's `GROUP` splits unrolled inside), not
   straight-line code over every split slot (the unrolled merge's code grows
   with the splits: ~100 KB at 133).
+
+  lean (with `rolled`): n is counted after the LSE's, the scales' and the
+  row's first group's copies are issued, not before (its loads then overlap
+  theirs instead of holding them back), and the maximum loops over the live
+  groups with each group's `GROUP` LSE loads unrolled (independent loads),
+  not over the live splits one dependent load at a time.
   """
   o_bar, lse_bar = bar
   groups = -(-num_splits // GROUP)
+  lean = lean and rolled
+  n = None if lean else count()
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
   half = lax.div(chans.start, HALF)  # the channel half these channels are in
@@ -80,7 +89,7 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     plgpu.copy_gmem_to_smem(scale_ref.at[b, lax.axis_index("g"), half], scale_buf, lse_bar,
                             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
-  def live_rows(j):
+  def live_rows(j, n):
     # Split j is live, as a row-layout mask (a scalar does not select an array).
     return plgpu.layout_cast(jnp.full((HEAD_TILE,), j, jnp.int32), row_layout) < n
 
@@ -104,25 +113,45 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
     o_j = jnp.where(lax.broadcast_in_dim(live, o_j.shape, [0]), o_j, 0.0)
     return acc + o_j * lax.broadcast_in_dim(w_o, acc.shape, [0]), l + w
 
-  def prefetch(first, end):
-    # The first `stages` groups of [first, end) that hold a live split (the
-    # row's first group whatever n is).
-    for k in range(first, min(first + stages, end)):
+  def prefetch(start, end, first, n):
+    # Groups [start, first + stages) of the CTA's [first, end) that hold a
+    # live split (the row's first group whatever n is).
+    for k in range(start, min(first + stages, end)):
       if k == 0:
         fetch(k, first)
       else:
         pl.when(k * GROUP < n)(lambda k=k: fetch(k, first))
 
+  if lean:  # the row's first group (live whatever n is), then n
+    if halves is None:
+      fetch(0, 0)
+    else:
+      pl.when(halves[0] == 0)(lambda: fetch(0, 0))
+    n = count()
+
   def sums_rolled(first, end, then):
-    # As `sums`, looped: over the live splits for the maximum, over the live
-    # groups of [first, end) for the sums (the first group of the row waited
-    # on whatever n is, as it was fetched), a group's splits unrolled.
+    # As `sums`, looped: over the live splits (`lean`: groups) for the
+    # maximum, over the live groups of [first, end) for the sums (the first
+    # group of the row waited on whatever n is, as it was fetched), a group's
+    # splits unrolled.
+    # (`lean`: the row's first group was fetched before n was counted.)
+    prefetch(first + 1 if lean and first == 0 else first, end, first, n)
     live_end = jnp.clip((n + GROUP - 1) // GROUP, first + 1 if first == 0 else first, end)
-    prefetch(first, end)
     plgpu.barrier_wait(lse_bar)
-    m = lax.fori_loop(
-        0, n, lambda j, m: jnp.maximum(m, log2_lse(j)),
-        plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout))
+    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
+    if lean:
+
+      def group_max(k, m):  # a group's LSE loads, independent of each other
+        lses = [jnp.where(live_rows(k * GROUP + i, n),
+                          log2_lse(jnp.minimum(k * GROUP + i, num_splits - 1)), -jnp.inf)
+                for i in range(GROUP)]
+        while len(lses) > 1:
+          lses = [jnp.maximum(x, y) for x, y in zip(lses[::2], lses[1::2])]
+        return jnp.maximum(m, lses[0])
+
+      m = lax.fori_loop(0, (n + GROUP - 1) // GROUP, group_max, m)
+    else:
+      m = lax.fori_loop(0, n, lambda j, m: jnp.maximum(m, log2_lse(j)), m)
 
     def group(k, carry):
       acc, l = carry
@@ -132,7 +161,7 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
       for i in range(GROUP):
         j = k * GROUP + i  # past the row's slots in a last short group: dead
         at = jnp.minimum(j, num_splits - 1)
-        acc, l = add_split(acc, l, m, at, live_rows(j), slot, at - start)
+        acc, l = add_split(acc, l, m, at, live_rows(j, n), slot, at - start)
 
       @pl.when(k + stages < live_end)
       def _():
@@ -147,11 +176,11 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
 
   def sums(first, end, then):
     # Groups [first, end) (static) of the row, then `then(acc, m, l)`.
-    prefetch(first, end)
+    prefetch(first, end, first, n)
     plgpu.barrier_wait(lse_bar)
     m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
     for j in range(num_splits):
-      m = jnp.maximum(m, jnp.where(live_rows(j), log2_lse(j), -jnp.inf))
+      m = jnp.maximum(m, jnp.where(live_rows(j, n), log2_lse(j), -jnp.inf))
     # No live split: m stays -inf and every weight is selected to 0, so the
     # row comes out 0 / -inf (softmax_finish).
 
@@ -163,7 +192,7 @@ def merge_row_grouped(b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, 
       else:
         pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
       for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
-        acc, l = add_split(acc, l, m, j, live_rows(j), slot,
+        acc, l = add_split(acc, l, m, j, live_rows(j, n), slot,
                            j - group_box_start(k, num_splits))
       if k + stages < end:
         # Every thread's reads of the slot are ordered before its refill.

@@ -81,7 +81,7 @@ def build_merge(
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
     group: bool = False, stage_out: bool = False, out_heads: int | None = None,
     partial_heads: int | None = None, f16_partials: bool = False, halves: bool = False,
-    rolled: bool = False,
+    rolled: bool = False, lean: bool = False,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -152,7 +152,9 @@ def build_merge(
 
   `rolled` (the grouped pass): its maximum and sums as loops over the live
   splits and groups (`grouped_merge.merge_row_grouped`), not straight-line
-  code over every split slot.
+  code over every split slot. `lean` (with `rolled`): the row's live splits
+  counted once the first copies are issued, and the maximum a loop over
+  groups of independent loads (`merge_row_grouped`).
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -246,7 +248,8 @@ def build_merge(
         if stage_out:
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      n = live_splits(bound, span)  # the row's first n splits are its live ones
+      # The row's first n splits are its live ones.
+      count = lambda: live_splits(bound, span)
       scales = None if scale_ref is None else (scale_ref, scale_buf)
       if group:
         pair = None
@@ -254,11 +257,11 @@ def build_merge(
           tile = (b, lax.axis_index("g"), c)
           pair = (lax.axis_index("h"), acc_ref.at[tile], l_ref.at[tile], sync)
         merge_row_grouped(
-            b, n, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, store,
+            b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, store,
             num_splits=num_splits, dv=dv, cols=cols, heads_padded=heads_padded,
-            stages=stages, halves=pair, rolled=rolled)
+            stages=stages, halves=pair, rolled=rolled, lean=lean)
       else:
-        store(*merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
+        store(*merge_row(b, first, count(), heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
                          scales))
 
     if finish_rows:

@@ -167,11 +167,12 @@ _reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "m
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "pack", "f16_partials", "group_halves", "group_rolled"))
+                              "pack", "f16_partials", "group_halves", "group_rolled",
+                              "group_lean"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
                 stage_merge_out=True, pad_heads=False, pack=True, f16_partials=None,
-                group_halves=None, group_rolled=True):
+                group_halves=None, group_rolled=True, group_lean=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -212,6 +213,9 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # groups: on an H100 its merge took 6.2-6.6 µs where the straight-line code
   # over every split slot took 7.0-9.2, end to end 0.93-1.00 of it at every
   # grouped shape timed (NOTES.md); False keeps the straight-line code.
+  # `group_lean` (the loops only): the live splits counted once the first
+  # copies are issued, and the maximum over groups of independent LSE loads
+  # (`grouped_merge.merge_row_grouped`; False: the loops as first timed).
   head_groups = heads_padded // _layout.HEAD_TILE
   if group_halves is None:
     group_halves = group_rolled and plan.num_splits > _tiling.GROUP_MAX_SPLITS
@@ -304,7 +308,8 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
-      f16_partials=f16_partials, halves=halves, rolled=group_rolled and group, **merge_args
+      f16_partials=f16_partials, halves=halves, rolled=group_rolled and group,
+      lean=group_lean, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return _layout.real_heads(out, lse_out, heads)
