@@ -21,14 +21,9 @@ scaled float16 but for rows of 8-32 heads; checked within the float16
 rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge), ":g8f16p"
 in float16 with the grouped pass at 8 channels (":g8"'s A/B);
 ":halves" the grouped pass in halves, two CTAs per tile in a cluster,
-wherever it can run (the default past one grouped CTA's 128 splits),
-":hf16p" and ":rhf16p" in halves with float16 partials (as the default
-wherever the pass runs as loops); ":rolled" the grouped pass as loops, the
-default (":rhalves" in halves, ":rf16p" with float16 partials, as the
-default), and ":unrolled" as
-straight-line code over every split slot, with float32 partials (every other
-grouped variant is rolled); ":unlean" the loops as first timed (the live
-count before the first copies, the maximum split by split);
+wherever it can run (the default past one grouped CTA's 128 splits);
+":unlean" the grouped pass's loops as first timed (the live count before the
+first copies, the maximum split by split);
 ":mc2" ... ":mc16" the default kernel on a plan whose parts carry at least
 that many tiles, `MLADecodeConfig(min_chunk_blocks=...)`, ":ns2" ... ":ns6" on a
 plan of that many split slots per row, `MLADecodeConfig(num_splits=...)`, ":so0"
@@ -174,18 +169,15 @@ PLAN_VARIANTS = {**{f"mc{n}": dict(min_chunk_blocks=n) for n in (2, 4, 8, 16)},
 # "nopack" merges rows of 8-32 heads one row per CTA, not stacked,
 # "f16p" stores the partials in scaled float16 (by TMA through the segment's
 # last stage where the per-split ring merges; from registers in column slices
-# where the grouped pass merges; the default but for rows of 8-32 heads and
-# the grouped pass as straight-line code or in halves; never with the stacked
-# merge), "f32p" in float32, "g8f16p"
+# where the grouped pass merges; the default but for rows of 8-32 heads;
+# never with the stacked merge), "f32p" in float32, "g8f16p"
 # in float16 with the grouped pass at 8 channels; "halves" the grouped pass
-# in halves (two CTAs per tile in a cluster) wherever it can run, "hf16p" in
-# halves with float16 partials; "rolled" the grouped pass as loops over its
-# live splits and groups, "rhalves" so in halves, "rf16p" so with float16
-# partials (as the default), "rhf16p" in halves as loops with float16 partials
-# (the default past `GROUP_MAX_SPLITS` splits; "hf16p", rolled by default, and
-# "rhalves", float16 by default, now run the same call);
-# "unrolled" as straight-line code (float32); "unlean" the loops as first
+# in halves (two CTAs per tile in a cluster) wherever it can run (the default
+# past `GROUP_MAX_SPLITS` splits); "unlean" the grouped pass's loops as first
 # timed (the live count before the first copies, the maximum split by split).
+# (The variants "rolled", "rhalves", "rf16p", "hf16p" and "rhf16p", which
+# NOTES.md's tables name, now run "halves"' call or the default's; "unrolled",
+# the grouped pass as straight-line code, was removed with that code.)
 MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True),
                   "g8": dict(grouped=True, group_cols=8), "g16": dict(grouped=True, group_cols=16),
                   "finish": dict(finish=True), "fence": dict(p_fence=True),
@@ -194,12 +186,6 @@ MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True
                   "f32p": dict(f16_partials=False),
                   "g8f16p": dict(grouped=True, group_cols=8, f16_partials=True),
                   "halves": dict(grouped=True, group_halves=True),
-                  "rolled": dict(group_rolled=True), "unrolled": dict(group_rolled=False),
-                  "rhalves": dict(grouped=True, group_halves=True, group_rolled=True),
-                  "rf16p": dict(group_rolled=True, f16_partials=True),
-                  "hf16p": dict(grouped=True, group_halves=True, f16_partials=True),
-                  "rhf16p": dict(grouped=True, group_halves=True, group_rolled=True,
-                                 f16_partials=True),
                   "unlean": dict(group_lean=False)}
 
 

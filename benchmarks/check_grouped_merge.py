@@ -1,7 +1,7 @@
 """The on-device check of dense MLA decode's grouped merge (`check_mla_decode.py`'s
 "grouped", "halves" and "rolled" parts): the rows of many splits that take it by
-default or forced, in halves and as loops, against the reference and the default
-merge, clean and poisoned.
+default or forced, in halves and its loops' variants, against the reference and
+the default merge, clean and poisoned.
 """
 
 from __future__ import annotations
@@ -80,35 +80,27 @@ def check_grouped(rng, kernel_kw):
 # (heads, lengths, splits, the variant's `_mla_decode` arguments) of the
 # "halves" and "rolled" checks.
 HALVES = dict(grouped=True, group_halves=True)
-HALVES_CASES = ((64, [20000], 133, dict(HALVES, group_rolled=False)), (40, [9000], 40, HALVES),
+HALVES_CASES = ((64, [20000], 133, dict(grouped=False)), (40, [9000], 40, HALVES),
                 (64, [12000, 9001], 101, HALVES))
-ROLLED_CASES = ((64, [12000, 9001], 101, dict(group_rolled=False)),
-                (128, [9000], 40, dict(group_rolled=False)),
-                (64, [20000], 133, dict(grouped=False)),
+ROLLED_CASES = ((64, [20000], 133, dict(HALVES, f16_partials=False)),
                 (64, [12000, 9001], 101, dict(f16_partials=False)),
-                (64, [20000], 133, dict(HALVES, f16_partials=False)),
-                (64, [12000, 9001], 101, dict(HALVES, group_rolled=True, f16_partials=True)),
                 (64, [20000], 133, dict(group_lean=False)),
-                (64, [12000, 9001], 101, dict(group_lean=False)))
+                (64, [12000, 9001], 101, dict(group_lean=False)),
+                (128, [9000], 40, dict(group_lean=False)))
 
 
 def check_halves(rng, kernel_kw, cases):
   """The grouped merge in halves (two CTAs per tile in a cluster, the second's
   sums handed on through GMEM at `barrier.cluster`; the default past one
-  CTA's 128 splits, as loops with float16 partials, forced elsewhere), or as
-  loops or not (`group_rolled`), at `cases`: `HALVES_CASES` at 1 x 64 (133
-  splits, past one CTA's grouped merge; as straight-line code, against the
-  default's loops), 1 x 40 heads at 40 splits
-  (the last head group's real rows) and 2 x 64 (101 splits, two CTAs an SM);
-  `ROLLED_CASES` the grouped merges of 2 x 64 and 1 x 128 as straight-line
-  code (the default is loops), 1 x 64 at 133 splits in the per-split
-  ring's two passes and in halves with float32 partials (the default there
-  is halves as loops with float16 partials), 2 x 64 with float32 partials
-  (the default is float16), 2 x 64 in halves as loops with float16
-  partials, and 1 x 64 at 133 splits and 2 x 64 with the loops as first
-  timed (`group_lean=False`). Each against the
-  reference, and against the default merge (two passes, or one CTA per
-  tile) on the same plan: clean in
+  CTA's 128 splits, forced elsewhere) and its loops' variants, at `cases`:
+  `HALVES_CASES` the default at 1 x 64, 133 splits (halves, past one CTA's
+  grouped merge) against the per-split ring's two passes (the variant
+  here), and halves forced at 1 x 40 heads, 40 splits (the last head group's
+  real rows) and 2 x 64, 101 splits (two CTAs an SM); `ROLLED_CASES` float32
+  partials at 1 x 64 in halves and 2 x 64 (the default is float16), and the
+  loops as first timed (`group_lean=False`) at 1 x 64, 2 x 64 and 1 x 128.
+  Each against the reference, and against the default merge on the same
+  plan: clean in
   "select" (poisoned "select" the same bits as clean) and poisoned in
   "multiply" (the same NaNs)."""
   ok = True
@@ -118,7 +110,11 @@ def check_halves(rng, kernel_kw, cases):
     run = lambda c, select, halves: _mla_decode(
         q, c, table, lens, plan, sm_scale=D**-0.5, select=select, interpret=None,
         kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs, **(variant if halves else {}))
-    taken = merge_tiling.can_group(plan.num_splits, bool(variant.get("group_halves")))
+    # The variant's merge can run: the per-split ring always; the grouped
+    # pass up to its splits (in halves forced, or by default past one CTA's).
+    halves = variant.get("group_halves") or plan.num_splits > merge_tiling.GROUP_MAX_SPLITS
+    taken = variant.get("grouped") is False or merge_tiling.can_group(plan.num_splits,
+                                                                      bool(halves))
     out, lse = run(cache, True, True)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
     err, lerr, finite = errors(out, lse, ro, rl)

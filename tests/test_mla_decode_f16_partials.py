@@ -194,18 +194,17 @@ def test_float16_partials_end_to_end_past_float16_range(seq_lens, splits, sms, p
 @pytest.mark.parametrize("heads, splits, kw, want", [
     (64, 3, {}, True),  # the per-split ring in one pass
     (64, 40, dict(grouped=False), True),  # two passes
-    (64, 10, dict(grouped=True), True),  # the grouped merge as loops
-    (64, 10, dict(grouped=True, group_rolled=False), False),  # as straight-line code
-    (64, 40, dict(grouped=True, group_halves=True), True),  # in halves, as loops
-    (64, 40, dict(grouped=True, group_halves=True, group_rolled=False), False),  # straight
+    (64, 10, dict(grouped=True), True),  # the grouped merge
+    (64, 40, dict(grouped=True, group_halves=True), True),  # in halves
     (16, 3, {}, False),  # rows of 8-32 heads: the stacked merge
+    (16, 10, dict(grouped=True), False),  # rows of 8-32 heads, the grouped merge
     (64, 3, dict(f16_partials=False), False),
-    (64, 10, dict(grouped=True, group_rolled=False, f16_partials=True), True),
+    (16, 10, dict(grouped=True, f16_partials=True), True),
 ])
 def test_which_partials_the_default_stores(heads, splits, kw, want):
   """Float16 partials by default wherever they were timed faster (the ring,
-  the grouped merge as loops, whole or in halves), float32 where not (the
-  grouped merge as straight-line code, rows of 8-32 heads); `f16_partials` forces
+  the grouped merge, whole or in halves), float32 for rows of 8-32 heads
+  (which the stacked merge reads in float32); `f16_partials` forces
   either. Read off the traced call: the width of the decode kernel's partials
   (its first output; the kernels are the traced call's `custom_vmap_call`s)."""
   kernels = traced_kernels(heads, splits, kw)

@@ -23,7 +23,7 @@ from .seesaw import softmax_start
 
 def merge_row_grouped(b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, merged, *,
                       num_splits: int, dv: int, cols: int, heads_padded: int, stages: int,
-                      halves=None, rolled: bool = False, lean: bool = False):
+                      halves=None, lean: bool = True):
   """Merges row b's n live splits (its first n; a CTA merges all of a row's
   splits, or in `halves` half of them), `GROUP` per copy, weighted by their
   LSE maximum taken first, and calls `merged(acc, m, l)` with the sums (m in
@@ -47,20 +47,20 @@ def merge_row_grouped(b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scal
   barrier), after which CTA 0 adds them to its own and calls `merged`. CTA 1
   calls nothing.
 
-  rolled: the maximum as a loop over the live splits and the sums as a loop
-  over the live groups (each group's `GROUP` splits unrolled inside), not
-  straight-line code over every split slot (the unrolled merge's code grows
-  with the splits: ~100 KB at 133).
+  The maximum and the sums are loops: over the live splits or groups for the
+  maximum, over the live groups for the sums, each group's `GROUP` splits
+  unrolled inside. (Straight-line code over every split slot, removed, grew
+  with the splits, ~100 KB at 133, and was slower wherever it was timed:
+  NOTES.md.)
 
-  lean (with `rolled`): n is counted after the LSE's, the scales' and the
-  row's first group's copies are issued, not before (its loads then overlap
-  theirs instead of holding them back), and the maximum loops over the live
-  groups with each group's `GROUP` LSE loads unrolled (independent loads),
-  not over the live splits one dependent load at a time.
+  lean: n is counted after the LSE's, the scales' and the row's first group's
+  copies are issued, not before (its loads then overlap theirs instead of
+  holding them back), and the maximum loops over the live groups with each
+  group's `GROUP` LSE loads unrolled (independent loads), not over the live
+  splits one dependent load at a time (False: the loops as first timed).
   """
   o_bar, lse_bar = bar
   groups = -(-num_splits // GROUP)
-  lean = lean and rolled
   n = None if lean else count()
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -129,11 +129,11 @@ def merge_row_grouped(b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scal
       pl.when(halves[0] == 0)(lambda: fetch(0, 0))
     n = count()
 
-  def sums_rolled(first, end, then):
-    # As `sums`, looped: over the live splits (`lean`: groups) for the
-    # maximum, over the live groups of [first, end) for the sums (the first
-    # group of the row waited on whatever n is, as it was fetched), a group's
-    # splits unrolled.
+  def sums(first, end, then):
+    # Groups [first, end) (static) of the row, then `then(acc, m, l)`: the
+    # maximum over the live splits (`lean`: groups), the sums over the live
+    # groups of [first, end) (the first group of the row waited on whatever
+    # n is, as it was fetched), a group's splits unrolled.
     # (`lean`: the row's first group was fetched before n was counted.)
     prefetch(first + 1 if lean and first == 0 else first, end, first, n)
     live_end = jnp.clip((n + GROUP - 1) // GROUP, first + 1 if first == 0 else first, end)
@@ -174,35 +174,8 @@ def merge_row_grouped(b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scal
     acc, l = lax.fori_loop(first, live_end, group, (acc, l))
     then(acc, m, l)
 
-  def sums(first, end, then):
-    # Groups [first, end) (static) of the row, then `then(acc, m, l)`.
-    prefetch(first, end, first, n)
-    plgpu.barrier_wait(lse_bar)
-    m = plgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), row_layout)
-    for j in range(num_splits):
-      m = jnp.maximum(m, jnp.where(live_rows(j, n), log2_lse(j), -jnp.inf))
-    # No live split: m stays -inf and every weight is selected to 0, so the
-    # row comes out 0 / -inf (softmax_finish).
-
-    acc, _, l = softmax_start(cols)
-    for k in range(first, end):
-      slot = (k - first) % stages
-      if k == 0:
-        plgpu.barrier_wait(o_bar.at[slot])
-      else:
-        pl.when(k * GROUP < n)(lambda slot=slot: plgpu.barrier_wait(o_bar.at[slot]))
-      for j in range(k * GROUP, min((k + 1) * GROUP, num_splits)):
-        acc, l = add_split(acc, l, m, j, live_rows(j, n), slot,
-                           j - group_box_start(k, num_splits))
-      if k + stages < end:
-        # Every thread's reads of the slot are ordered before its refill.
-        plgpu.commit_smem()
-        pl.when((k + stages) * GROUP < n)(lambda k=k: fetch(k + stages, first))
-    then(acc, m, l)
-
-  run = sums_rolled if rolled else sums
   if halves is None:
-    run(0, groups, merged)
+    sums(0, groups, merged)
     return
   h, acc_ref, l_ref, sync = halves
   split_at = -(-groups // 2)
@@ -218,5 +191,5 @@ def merge_row_grouped(b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scal
     acc = acc + plgpu.load(acc_ref, layout=plgpu.Layout.WGMMA, optimized=False)
     merged(acc, m, l + plgpu.load(l_ref, layout=row_layout, optimized=False))
 
-  pl.when(h == 1)(lambda: run(split_at, groups, hand_on))
-  pl.when(h == 0)(lambda: run(0, split_at, take_in))
+  pl.when(h == 1)(lambda: sums(split_at, groups, hand_on))
+  pl.when(h == 0)(lambda: sums(0, split_at, take_in))

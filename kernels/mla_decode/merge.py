@@ -81,7 +81,7 @@ def build_merge(
     stages: int | None = None, chunk: int | None = None, edge_chunk: int | None = None,
     group: bool = False, stage_out: bool = False, out_heads: int | None = None,
     partial_heads: int | None = None, f16_partials: bool = False, halves: bool = False,
-    rolled: bool = False, lean: bool = False,
+    lean: bool = True,
 ):
   """Returns `(seq_lens, bounds, o, lse) -> (out, lse_out)`, and with
   `finish_rows` `(seq_lens, bounds, o, lse, out, lse_out) -> (out, lse_out)`.
@@ -146,15 +146,15 @@ def build_merge(
   its sums on to the first through GMEM at the cluster's barrier
   (`grouped_merge.merge_row_grouped`). It doubles the grid (batch 1 x 64
   heads: 128 CTAs instead of 64) and takes rows of up to twice
-  `GROUP_MAX_SPLITS` splits in one pass, but as straight-line code it was
-  slower wherever it was timed, and as loops level with the two passes at 1 x
-  64 x 128K (H100, NOTES.md), so `_mla_decode` only forces it.
+  `GROUP_MAX_SPLITS` splits in one pass; `_mla_decode` takes it past those
+  (with float16 partials, on an H100 0.943-0.959 of the per-split ring's two
+  passes at 1 x 64 x 64K-128K) and only forces it elsewhere, where it lost
+  (NOTES.md).
 
-  `rolled` (the grouped pass): its maximum and sums as loops over the live
-  splits and groups (`grouped_merge.merge_row_grouped`), not straight-line
-  code over every split slot. `lean` (with `rolled`): the row's live splits
-  counted once the first copies are issued, and the maximum a loop over
-  groups of independent loads (`merge_row_grouped`).
+  `lean` (the grouped pass, whose maximum and sums are loops over the live
+  splits and groups): the row's live splits counted once the first copies
+  are issued, and the maximum a loop over groups of independent loads
+  (`grouped_merge.merge_row_grouped`; False: the loops as first timed).
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -259,7 +259,7 @@ def build_merge(
         merge_row_grouped(
             b, count, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales, store,
             num_splits=num_splits, dv=dv, cols=cols, heads_padded=heads_padded,
-            stages=stages, halves=pair, rolled=rolled, lean=lean)
+            stages=stages, halves=pair, lean=lean)
       else:
         store(*merge_row(b, first, count(), heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
                          scales))

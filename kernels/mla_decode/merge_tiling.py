@@ -132,8 +132,8 @@ def use_grouped(*, batch: int, head_groups: int, num_splits: int) -> bool:
 def group_box_start(k, num_splits: int):
   """The first split slot of group `k`'s copy: `k * GROUP`, except that the
   last group's box ends at the last slot (it overlaps the group before it
-  rather than running past the array). `k` a Python int (the unrolled merge)
-  or a traced int32 (the rolled one's loop)."""
+  rather than running past the array). `k` a Python int (the copies issued
+  before the loop) or a traced int32 (the loop's)."""
   if isinstance(k, int):
     return min(k * GROUP, num_splits - GROUP)
   return jnp.minimum(k * GROUP, num_splits - GROUP)

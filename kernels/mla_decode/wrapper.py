@@ -167,12 +167,11 @@ _reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "m
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "pack", "f16_partials", "group_halves", "group_rolled",
-                              "group_lean"))
+                              "pack", "f16_partials", "group_halves", "group_lean"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
                 stage_merge_out=True, pad_heads=False, pack=True, f16_partials=None,
-                group_halves=None, group_rolled=True, group_lean=True):
+                group_halves=None, group_lean=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -202,23 +201,21 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # forces it where it can run / keeps it off, `group_cols` sets its channels
   # per CTA), which reads the partials in its own layout. `group_halves=True`
   # runs it in halves, two CTAs per tile in a cluster, each over half of the
-  # splits, where it can run. By default (None) it does so as loops with
-  # float16 partials where a row has more splits than one grouped CTA takes
+  # splits, where it can run. By default (None) it does so with float16
+  # partials where a row has more splits than one grouped CTA takes
   # (`GROUP_MAX_SPLITS`: 1 x 64 at 133 splits on 132 SMs), instead of the
   # per-split ring's two passes: on an H100, 0.957-0.959 of them end to end
   # at 1 x 64 x 128K, 0.943 at 1 x 64 x 64K; at 27-101 splits, where one
   # grouped CTA per tile takes the rows, halves lost (1.008-1.036; NOTES.md).
-  # As straight-line code, halves were slower wherever timed.
-  # `group_rolled` (the default) runs it as loops over the live splits and
-  # groups: on an H100 its merge took 6.2-6.6 µs where the straight-line code
-  # over every split slot took 7.0-9.2, end to end 0.93-1.00 of it at every
-  # grouped shape timed (NOTES.md); False keeps the straight-line code.
-  # `group_lean` (the loops only): the live splits counted once the first
-  # copies are issued, and the maximum over groups of independent LSE loads
-  # (`grouped_merge.merge_row_grouped`; False: the loops as first timed).
+  # The grouped pass runs as loops over the live splits and groups (on an
+  # H100 its merge took 6.2-6.6 µs where straight-line code over every split
+  # slot, since removed, took 7.0-9.2; NOTES.md). `group_lean`: the live
+  # splits counted once the first copies are issued, and the maximum over
+  # groups of independent LSE loads (`grouped_merge.merge_row_grouped`;
+  # False: the loops as first timed).
   head_groups = heads_padded // _layout.HEAD_TILE
   if group_halves is None:
-    group_halves = group_rolled and plan.num_splits > _tiling.GROUP_MAX_SPLITS
+    group_halves = plan.num_splits > _tiling.GROUP_MAX_SPLITS
   halves = bool(group_halves) and _tiling.can_group(plan.num_splits, True) and not finish_rows
   if grouped is None:
     group = halves or _tiling.use_grouped(
@@ -233,13 +230,10 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # merge), staged through the segment's last KV stage and stored by TMA,
   # where the per-split ring merges them in one pass or two (1.5-4.7% faster
   # on the H200 at batch 1-200 and 64-128 heads, NOTES.md). The grouped
-  # merge reads them too (stored from registers in its column slices) and
-  # takes them by default as loops (`group_rolled`), whole or in halves: on an
-  # H100, 0.965-0.985 of float32 end to end at every grouped shape timed, the
-  # decode kernel writing half the bytes; in halves 0.966 of float32 at 1 x 64
-  # x 128K. As straight-line code (`group_rolled=False`) it keeps float32:
-  # there its merge got slower (its code, not its bytes, bounded it; 2 x 64 x
-  # 64K lost 17% end to end, NOTES.md).
+  # merge reads them too (stored from registers in its column slices), whole
+  # or in halves: on an H100, 0.965-0.985 of float32 end to end at every
+  # grouped shape timed, the decode kernel writing half the bytes; in halves
+  # 0.966 of float32 at 1 x 64 x 128K (NOTES.md).
   # Rows of 8-32 heads keep float32 whichever merge takes
   # them (the stacked merge reads float32, and its A/B knobs then compare
   # like with like). `f16_partials` True / False forces them on where they
@@ -247,7 +241,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
                                 num_splits=plan.num_splits) > 1
   if f16_partials is None:
-    f16_partials = not few_heads and (not group or group_rolled)
+    f16_partials = not few_heads
   elif f16_partials and packed:
     raise ValueError("f16_partials: not with the stacked merge of rows of 8-32 heads")
   # One tiling for both: the decode kernel stores its partials in the grouped
@@ -308,8 +302,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
-      f16_partials=f16_partials, halves=halves, rolled=group_rolled and group,
-      lean=group_lean, **merge_args
+      f16_partials=f16_partials, halves=halves, lean=group_lean, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return _layout.real_heads(out, lse_out, heads)
