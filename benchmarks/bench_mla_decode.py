@@ -186,7 +186,7 @@ MERGE_VARIANTS = {"ungrouped": dict(grouped=False), "grouped": dict(grouped=True
                   "f32p": dict(f16_partials=False),
                   "g8f16p": dict(grouped=True, group_cols=8, f16_partials=True),
                   "halves": dict(grouped=True, group_halves=True),
-                  "unlean": dict(group_lean=False)}
+                  "unlean": dict(merge_lean=False)}
 
 
 def kernel_and_merge(names, copies):

@@ -84,9 +84,9 @@ HALVES_CASES = ((64, [20000], 133, dict(grouped=False)), (40, [9000], 40, HALVES
                 (64, [12000, 9001], 101, HALVES))
 ROLLED_CASES = ((64, [20000], 133, dict(HALVES, f16_partials=False)),
                 (64, [12000, 9001], 101, dict(f16_partials=False)),
-                (64, [20000], 133, dict(group_lean=False)),
-                (64, [12000, 9001], 101, dict(group_lean=False)),
-                (128, [9000], 40, dict(group_lean=False)))
+                (64, [20000], 133, dict(merge_lean=False)),
+                (64, [12000, 9001], 101, dict(merge_lean=False)),
+                (128, [9000], 40, dict(merge_lean=False)))
 
 
 def check_halves(rng, kernel_kw, cases):
@@ -98,7 +98,7 @@ def check_halves(rng, kernel_kw, cases):
   here), and halves forced at 1 x 40 heads, 40 splits (the last head group's
   real rows) and 2 x 64, 101 splits (two CTAs an SM); `ROLLED_CASES` float32
   partials at 1 x 64 in halves and 2 x 64 (the default is float16), and the
-  loops as first timed (`group_lean=False`) at 1 x 64, 2 x 64 and 1 x 128.
+  loops as first timed (`merge_lean=False`) at 1 x 64, 2 x 64 and 1 x 128.
   Each against the reference, and against the default merge on the same
   plan: clean in
   "select" (poisoned "select" the same bits as clean) and poisoned in

@@ -111,17 +111,18 @@ def test_grouped_merge_in_halves_lowers_for_hopper():
 
 @pytest.mark.parametrize(
     "splits, group, stages, lean",
-    [(3, False, None, True), (9, False, None, True), (9, True, 2, True), (20, True, 1, True),
-     (20, True, 1, False)],
+    [(3, False, None, True), (9, False, None, "both"), (9, True, 2, True),
+     (20, True, 1, "both")],
 )
 def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, stages, lean):
   """The merge reads a row's live splits only (more of them than its ring
   holds with 9), and leaves the rows the decode kernel finished itself (one
   split over the whole row) exactly as they were. With `group` the splits
   come 8 per copy (the last copy overlapping the one before it at 9 and 20)
-  and, with one group in flight, the ring refills behind the reads. `lean`
-  (the grouped pass): the live count after the first copies, the maximum
-  over groups (False: the loops as first timed)."""
+  and, with one group in flight, the ring refills behind the reads. "both":
+  bit for bit the result of the merge as first timed (`lean=False`: the
+  live count before the first copies; grouped, the maximum split by split;
+  row 2, without a live split, waits for the ring's first copy)."""
   from jaxkv.kernels.mla_decode.merge import build_merge
   from jaxkv.kernels.mla_decode.merge_tiling import merge_tiling, wide_partials
 
@@ -156,13 +157,17 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   # tuned 8: a grid the interpreter runs in a quarter of the time, the same
   # copies of 8 splits.
   tiling = dict(cols=64 if stages == 1 else 32, stages=stages) if stages else {}
-  merge = build_merge(batch=batch, num_splits=splits, heads_padded=heads, dv=512,
-                      max_tokens=30 * BS, out_dtype=jnp.bfloat16, interpret=RACES,
-                      finish_rows=True, group=group, lean=lean, **tiling)
+  merge = lambda lean: build_merge(
+      batch=batch, num_splits=splits, heads_padded=heads, dv=512, max_tokens=30 * BS,
+      out_dtype=jnp.bfloat16, interpret=RACES, finish_rows=True, group=group, lean=lean,
+      **tiling)(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
   if group:  # the grouped merge reads the partials in its own layout
     cols = tiling["cols"]
     o_bad, lse_bad = wide_partials(o_bad, lse_bad, cols)
-  out, lse_out = merge(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
+  out, lse_out = merge(True)
+  if lean == "both":
+    for a, b in zip(merge(False), (out, lse_out)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   want, want_lse = combine_splits(o, jnp.where(jnp.asarray(dead)[..., None], -jnp.inf, lse))
   assert out.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(out[1]).view(np.uint16), np.asarray(out0[1]).view(np.uint16))

@@ -151,10 +151,12 @@ def build_merge(
   passes at 1 x 64 x 64K-128K) and only forces it elsewhere, where it lost
   (NOTES.md).
 
-  `lean` (the grouped pass, whose maximum and sums are loops over the live
-  splits and groups): the row's live splits counted once the first copies
-  are issued, and the maximum a loop over groups of independent loads
-  (`grouped_merge.merge_row_grouped`; False: the loops as first timed).
+  `lean`: the row's live splits counted once its first copies are issued
+  (the per-split ring's first split; the grouped pass's LSE, scales and
+  first group), not before; and the grouped pass's maximum (its maximum and
+  sums are loops over the live splits and groups) a loop over groups of
+  independent loads (`grouped_merge.merge_row_grouped`). False: the merges
+  as first timed.
   """
   span = num_splits if chunk is None else chunk  # splits one CTA merges
   if cols is None or stages is None:
@@ -261,7 +263,7 @@ def build_merge(
             num_splits=num_splits, dv=dv, cols=cols, heads_padded=heads_padded,
             stages=stages, halves=pair, lean=lean)
       else:
-        store(*merge_row(b, first, count(), heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
+        store(*merge_row(b, first, count, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar,
                          scales))
 
     if finish_rows:
@@ -269,9 +271,12 @@ def build_merge(
     else:
       run()
 
-  def merge_row(b, first, n, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales):
-    """`(acc, m, l)` of the row's n live splits, one at a time through a ring
-    (`scales`: float16 partials' `(scale_ref, scale_buf)`, else None)."""
+  def merge_row(b, first, count, heads, chans, o_ref, lse_ref, o_buf, lse_buf, bar, scales):
+    """`(acc, m, l)` of the row's n = `count()` live splits, one at a time
+    through a ring (`scales`: float16 partials' `(scale_ref, scale_buf)`,
+    else None). With `lean`, the first split's copies are issued before n
+    is counted (its bounds' loads then overlap them), and waited for where
+    the row has no live split (their bytes, whatever they are, unused)."""
 
     def fetch(j):
       slot = lax.rem(j, stages)
@@ -292,7 +297,13 @@ def build_merge(
         plgpu.copy_gmem_to_smem(scale_ref.at[b, first + j, half, heads], scale_buf.at[slot],
                                 bar.at[slot])
 
-    for k in range(stages):
+    if lean:
+      fetch(0)
+      n = count()
+      pl.when(n == 0)(lambda: plgpu.barrier_wait(bar.at[0]))  # no copy left in flight
+    else:
+      n = count()
+    for k in range(1 if lean else 0, stages):
       pl.when(k < n)(lambda k=k: fetch(k))
 
     step = functools.partial(ring_step, bar=bar, lse_buf=lse_buf, o_buf=o_buf, stages=stages,

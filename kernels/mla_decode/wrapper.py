@@ -167,11 +167,11 @@ _reference = jax.jit(mla_decode_reference, static_argnames=("sm_scale", "dv", "m
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "select", "interpret", "kv_swizzle", "q_regs", "grouped",
                               "group_cols", "finish", "p_fence", "stage_merge_out", "pad_heads",
-                              "pack", "f16_partials", "group_halves", "group_lean"))
+                              "pack", "f16_partials", "group_halves", "merge_lean"))
 def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, interpret, kv_swizzle,
                 q_regs, grouped=None, group_cols=None, finish=None, p_fence=None,
                 stage_merge_out=True, pad_heads=False, pack=True, f16_partials=None,
-                group_halves=None, group_lean=True):
+                group_halves=None, merge_lean=True):
   batch, heads, _ = q.shape
   block_size = cache.shape[1]
   max_blocks = block_table.shape[1]
@@ -209,10 +209,11 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # grouped CTA per tile takes the rows, halves lost (1.008-1.036; NOTES.md).
   # The grouped pass runs as loops over the live splits and groups (on an
   # H100 its merge took 6.2-6.6 µs where straight-line code over every split
-  # slot, since removed, took 7.0-9.2; NOTES.md). `group_lean`: the live
-  # splits counted once the first copies are issued, and the maximum over
-  # groups of independent LSE loads (`grouped_merge.merge_row_grouped`;
-  # False: the loops as first timed).
+  # slot, since removed, took 7.0-9.2; NOTES.md). `merge_lean`: in every
+  # merge but the stacked one, a row's live splits
+  # counted once its first copies are issued, and the grouped pass's maximum
+  # over groups of independent LSE loads (`merge.build_merge(lean=True)`;
+  # False: the merges as first timed).
   head_groups = heads_padded // _layout.HEAD_TILE
   if group_halves is None:
     group_halves = plan.num_splits > _tiling.GROUP_MAX_SPLITS
@@ -274,12 +275,13 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     chunk = _tiling.CHUNK
     first = _merge.build_merge(
         num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
-        partial_heads=q_rows, f16_partials=f16_partials, **merge_args)
+        partial_heads=q_rows, f16_partials=f16_partials, lean=merge_lean, **merge_args)
     o, lse = first(seq_lens, plan.bounds, o, lse, *scale)
     # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
         num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows,
-        edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, **merge_args
+        edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, lean=merge_lean,
+        **merge_args
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
     return _layout.real_heads(out, lse_out, heads)
@@ -302,7 +304,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
-      f16_partials=f16_partials, halves=halves, lean=group_lean, **merge_args
+      f16_partials=f16_partials, halves=halves, lean=merge_lean, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return _layout.real_heads(out, lse_out, heads)
