@@ -157,13 +157,13 @@ def test_merge_kernel_matches_combine_and_reads_only_live_splits(splits, group, 
   # tuned 8: a grid the interpreter runs in a quarter of the time, the same
   # copies of 8 splits.
   tiling = dict(cols=64 if stages == 1 else 32, stages=stages) if stages else {}
+  if group:  # the grouped merge reads the partials in its own layout
+    cols = tiling["cols"]
+    o_bad, lse_bad = wide_partials(o_bad, lse_bad, cols)
   merge = lambda lean: build_merge(
       batch=batch, num_splits=splits, heads_padded=heads, dv=512, max_tokens=30 * BS,
       out_dtype=jnp.bfloat16, interpret=RACES, finish_rows=True, group=group, lean=lean,
       **tiling)(seq_lens.astype(jnp.int32), bounds, o_bad, lse_bad, out0, lse0)
-  if group:  # the grouped merge reads the partials in its own layout
-    cols = tiling["cols"]
-    o_bad, lse_bad = wide_partials(o_bad, lse_bad, cols)
   out, lse_out = merge(True)
   if lean == "both":
     for a, b in zip(merge(False), (out, lse_out)):

@@ -210,10 +210,10 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # The grouped pass runs as loops over the live splits and groups (on an
   # H100 its merge took 6.2-6.6 µs where straight-line code over every split
   # slot, since removed, took 7.0-9.2; NOTES.md). `merge_lean`: in every
-  # merge but the stacked one, a row's live splits
-  # counted once its first copies are issued, and the grouped pass's maximum
-  # over groups of independent LSE loads (`merge.build_merge(lean=True)`;
-  # False: the merges as first timed).
+  # merge but the stacked one, a row's live splits counted once its first
+  # copies are issued, and the grouped pass's maximum over groups of
+  # independent LSE loads (`merge.build_merge(lean=True)`; False: the merges
+  # as first timed).
   head_groups = heads_padded // _layout.HEAD_TILE
   if group_halves is None:
     group_halves = plan.num_splits > _tiling.GROUP_MAX_SPLITS
