@@ -266,7 +266,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   scale, finished = (finished[:1], finished[1:]) if f16_partials else ((), finished)
   merge_args = dict(
       batch=batch, heads_padded=heads_padded, dv=_layout.LATENT,
-      max_tokens=max_blocks * block_size, interpret=interpret,
+      max_tokens=max_blocks * block_size, interpret=interpret, lean=merge_lean,
   )
   if not group and plan.num_splits > _tiling.MAX_SPLITS:
     # Rows of many splits: one CTA per row would walk them one after another;
@@ -275,13 +275,12 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
     chunk = _tiling.CHUNK
     first = _merge.build_merge(
         num_splits=plan.num_splits, out_dtype=jnp.float32, chunk=chunk,
-        partial_heads=q_rows, f16_partials=f16_partials, lean=merge_lean, **merge_args)
+        partial_heads=q_rows, f16_partials=f16_partials, **merge_args)
     o, lse = first(seq_lens, plan.bounds, o, lse, *scale)
     # The second pass reads the chunks' bounds from the plan's own columns.
     second = _merge.build_merge(
         num_splits=o.shape[1], out_dtype=q.dtype, finish_rows=finish_rows,
-        edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, lean=merge_lean,
-        **merge_args
+        edge_chunk=chunk, stage_out=stage_merge_out, out_heads=out_rows, **merge_args
     )
     out, lse_out = second(seq_lens, plan.bounds, o, lse, *finished)
     return _layout.real_heads(out, lse_out, heads)
@@ -304,7 +303,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   merge = _merge.build_merge(
       num_splits=plan.num_splits, out_dtype=q.dtype, finish_rows=finish_rows, group=group,
       stage_out=stage_merge_out, out_heads=out_rows, partial_heads=q_rows, **tiling,
-      f16_partials=f16_partials, halves=halves, lean=merge_lean, **merge_args
+      f16_partials=f16_partials, halves=halves, **merge_args
   )
   out, lse_out = merge(seq_lens, plan.bounds, o, lse, *scale, *finished)
   return _layout.real_heads(out, lse_out, heads)
