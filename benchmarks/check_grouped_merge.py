@@ -107,9 +107,9 @@ def check_halves(rng, kernel_kw, cases):
   for heads, lens_np, splits, variant in cases:
     q, cache, lens, table, cfg, plan = _split_problem(
         rng, heads + splits, heads, lens_np, splits, kernel_kw, max_blocks=320)
-    run = lambda c, select, halves: _mla_decode(
+    run = lambda c, select, with_variant: _mla_decode(
         q, c, table, lens, plan, sm_scale=D**-0.5, select=select, interpret=None,
-        kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs, **(variant if halves else {}))
+        kv_swizzle=cfg.kv_swizzle, q_regs=cfg.q_regs, **(variant if with_variant else {}))
     # The variant's merge can run: the per-split ring always; the grouped
     # pass up to its splits (in halves forced, or by default past one CTA's).
     halves = variant.get("group_halves") or plan.num_splits > merge_tiling.GROUP_MAX_SPLITS
