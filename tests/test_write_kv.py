@@ -214,3 +214,23 @@ def test_pallas_rejects_rows_it_cannot_tile():
     write_kv(cache, jnp.ones((1, 3), jnp.bfloat16), jnp.asarray([1], jnp.int32), backend="pallas")
   out = write_kv(cache, jnp.full((1, 3), 2, jnp.bfloat16), jnp.asarray([1], jnp.int32))
   assert np.asarray(out)[0, 1].tolist() == [2, 2, 2]
+
+
+@pytest.mark.parametrize("layout", ["BNC", "LBHNC"])
+def test_compiled_kernel_lowers_for_hopper_under_its_profile_name(layout):
+  """The compiled launch (what a GPU runs; the other tests interpret it) lowers
+  for CUDA on the CPU, as one Mosaic GPU kernel named `jaxkv_write_kv` for
+  profiles, with the cache aliased (updated in place, not copied)."""
+  from jaxkv.kernels.write_kv import config, wrapper
+
+  cache = jnp.zeros(_shape(layout), jnp.bfloat16)
+  kv = jnp.zeros((5, *kv_shape(cache.shape, layout)), jnp.bfloat16)
+  slots = jnp.asarray([0, 3, -1, 9, 14], jnp.int32)
+  call = functools.partial(wrapper._write_pallas, layout=layout,
+                           config=config.WriteKVConfig(), interpret=None)
+  text = jax.jit(call).trace(cache, kv, slots).lower(lowering_platforms=("cuda",)).as_text()
+  assert "jaxkv_write_kv" in text
+  # The TMA load of the tokens' rows and the bulk stores of them to their slots.
+  assert "cp.async.bulk.tensor.shared.cluster.global" in text
+  assert "cp.async.bulk.global.shared" in text
+  assert "output_operand_alias<output_tuple_indices = [], operand_index = 2" in text

@@ -167,7 +167,7 @@ def launch(
           plgpu.SMEM((tokens_per_block, q_per_block, r, k), kv_rows.dtype),
           plgpu.Barrier(),
       ],
-      kernel_name="write_kv",
+      kernel_name="jaxkv_write_kv",
       interpret=interpret,
   )
 
