@@ -295,3 +295,26 @@ def test_bad_input_raises_and_keeps_cache(kwargs, match):
 def test_config_validation(kwargs):
   with pytest.raises(ValueError):
     ZeroBlocksConfig(**kwargs)
+
+
+@pytest.mark.parametrize("dtype, tma", [(jnp.bfloat16, True), (jnp.uint8, False)])
+def test_compiled_kernel_lowers_for_hopper_under_its_profile_name(monkeypatch, dtype, tma):
+  """The compiled launch (what a GPU runs; the other tests interpret it) lowers
+  for CUDA on the CPU as one Mosaic GPU kernel named `jaxkv_zero_blocks`, the
+  cache aliased (zeroed in place): by TMA stores from a zeroed SMEM tile where
+  a slot row is a multiple of 16 bytes, by stores from registers otherwise."""
+  from jaxkv.kernels.zero_blocks import wrapper
+
+  # As on a Hopper GPU: the compiled kernel, not the interpreter.
+  monkeypatch.setattr(wrapper, "resolve_interpret", lambda interpret: None)
+  monkeypatch.setattr(wrapper, "require_kernel_device", lambda *a: None)
+  cache = jnp.zeros((2, 8, 4, 2, 16 if tma else 3), dtype)  # LBNHC: 64- or 6-byte rows
+  def call(cache, ids, tail_ids, valid):
+    return zero_blocks(cache, ids, layout="LBNHC", tails=(tail_ids, valid),
+                       config=ZeroBlocksConfig(implementation="pallas"))
+
+  args = (cache, *(jnp.asarray(x, jnp.int32) for x in ([3, -1], [1, -1], [2, 0])))
+  text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "jaxkv_zero_blocks" in text
+  assert ("cp.async.bulk.global.shared" in text) == tma
+  assert "output_operand_alias<output_tuple_indices = [], operand_index = 1" in text
