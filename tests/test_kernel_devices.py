@@ -28,22 +28,7 @@ from jaxkv.kernels.zero_blocks.config import get_config as zero_blocks_config
 
 import mla_problem as dense
 import sparse_problem as sparse
-
-A100 = ("NVIDIA A100-SXM4-80GB", "8.0")
-B200 = ("NVIDIA B200", "10.0")
-H100 = ("NVIDIA H100 80GB HBM3", "9.0")
-
-
-def gpu(kind, capability, platform="gpu"):
-  return types.SimpleNamespace(platform=platform, device_kind=kind,
-                               compute_capability=capability, core_count=108)
-
-
-def as_first_device(monkeypatch, device):
-  """Makes `device` the one configs and plans are picked for, and calls
-  compiled (a GPU present)."""
-  monkeypatch.setattr(_common, "first_device", lambda: device)
-  monkeypatch.setattr(_common, "_has_gpu", lambda: True)
+from devices import A100, B200, H100, as_first_device, gpu
 
 
 def test_the_kernels_run_on_hopper_alone():

@@ -11,6 +11,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkv.kernels.write_kv import LAYOUTS, write_kv, write_kv_reference
 from jaxkv.kernels.write_kv.reference import kv_shape
 
+from devices import H100, as_first_device, gpu
+
 DIMS = dict(L=2, B=4, N=4, H=2, C=16)
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 BACKENDS = ("xla", "pallas")
@@ -217,17 +219,15 @@ def test_pallas_rejects_rows_it_cannot_tile():
 
 
 @pytest.mark.parametrize("layout", ["BNC", "LBHNC"])
-def test_compiled_kernel_lowers_for_hopper_under_its_profile_name(layout):
+def test_compiled_kernel_lowers_for_hopper_under_its_profile_name(monkeypatch, layout):
   """The compiled launch (what a GPU runs; the other tests interpret it) lowers
   for CUDA on the CPU, as one Mosaic GPU kernel named `jaxkv_write_kv` for
   profiles, with the cache aliased (updated in place, not copied)."""
-  from jaxkv.kernels.write_kv import config, wrapper
-
+  as_first_device(monkeypatch, gpu(*H100))  # interpret=None compiles, as on a Hopper GPU
   cache = jnp.zeros(_shape(layout), jnp.bfloat16)
   kv = jnp.zeros((5, *kv_shape(cache.shape, layout)), jnp.bfloat16)
   slots = jnp.asarray([0, 3, -1, 9, 14], jnp.int32)
-  call = functools.partial(wrapper._write_pallas, layout=layout,
-                           config=config.WriteKVConfig(), interpret=None)
+  call = functools.partial(write_kv, layout=layout, backend="pallas")
   text = jax.jit(call).trace(cache, kv, slots).lower(lowering_platforms=("cuda",)).as_text()
   assert "jaxkv_write_kv" in text
   # The TMA load of the tokens' rows and the bulk stores of them to their slots.

@@ -30,6 +30,8 @@ from jaxkv.kernels.zero_blocks import (
 )
 from jaxkv.kernels.zero_blocks.reference import expected_bytes_numpy
 
+from devices import H100, as_first_device, gpu
+
 RACES = plgpu.InterpretGPUParams(detect_races=True)
 # Duplicate ids write the same bytes from two CTAs on purpose (harmless zeros),
 # which the race detector would report.
@@ -303,12 +305,9 @@ def test_compiled_kernel_lowers_for_hopper_under_its_profile_name(monkeypatch, d
   for CUDA on the CPU as one Mosaic GPU kernel named `jaxkv_zero_blocks`, the
   cache aliased (zeroed in place): by TMA stores from a zeroed SMEM tile where
   a slot row is a multiple of 16 bytes, by stores from registers otherwise."""
-  from jaxkv.kernels.zero_blocks import wrapper
-
-  # As on a Hopper GPU: the compiled kernel, not the interpreter.
-  monkeypatch.setattr(wrapper, "resolve_interpret", lambda interpret: None)
-  monkeypatch.setattr(wrapper, "require_kernel_device", lambda *a: None)
+  as_first_device(monkeypatch, gpu(*H100))  # interpret=None compiles, as on a Hopper GPU
   cache = jnp.zeros((2, 8, 4, 2, 16 if tma else 3), dtype)  # LBNHC: 64- or 6-byte rows
+
   def call(cache, ids, tail_ids, valid):
     return zero_blocks(cache, ids, layout="LBNHC", tails=(tail_ids, valid),
                        config=ZeroBlocksConfig(implementation="pallas"))
