@@ -107,7 +107,9 @@ def heuristic_config(*, batch: int, num_heads: int, num_sms: int | None = None) 
       min_chunk_blocks=4,
       # One head group streams (faster under the 128-byte swizzle); two are
       # bound by the consumers' chain, which the 64-byte one keeps shorter
-      # and the query's first 128 channels in registers shorten further.
+      # and the query's first 128 channels in registers shorten further (on
+      # the H200; on the H100, whose HBM is slower, the 128-byte swizzle
+      # wins there too, and its tuning file says so).
       kv_swizzle=128 if head_groups == 1 else 64,
       q_regs=0 if head_groups == 1 else 128,
       implementation=default_implementation(),
@@ -115,16 +117,22 @@ def heuristic_config(*, batch: int, num_heads: int, num_sms: int | None = None) 
 
 
 def config_from_entries(
-    entries: list[dict[str, Any]], *, batch: int, num_heads: int
+    entries: list[dict[str, Any]], *, batch: int, num_heads: int, num_sms: int | None = None
 ) -> MLADecodeConfig | None:
   """The first tuned entry whose batch range and `heads` match, as a config.
 
   An entry matches `min_batch <= batch <= max_batch` (`min_batch` defaults
-  to 1) and `num_heads in heads`.
+  to 1, `max_batch` to no bound) and `num_heads in heads`. Its `config`
+  fields replace those of `heuristic_config` for this batch and heads (on
+  `num_sms` multiprocessors), so an entry names only what its device's
+  sweep changed: `{"heads": [128], "config": {"kv_swizzle": 128}}` keeps
+  the heuristic's split count at every batch.
   """
   for entry in entries:
-    if entry.get("min_batch", 1) <= batch <= entry["max_batch"] and num_heads in entry["heads"]:
-      return MLADecodeConfig(**entry["config"])
+    in_batch = entry.get("min_batch", 1) <= batch <= entry.get("max_batch", batch)
+    if in_batch and num_heads in entry["heads"]:
+      base = heuristic_config(batch=batch, num_heads=num_heads, num_sms=num_sms)
+      return dataclasses.replace(base, **entry["config"])
   return None
 
 
@@ -134,7 +142,8 @@ def default_config(*, batch: int, num_heads: int, num_sms: int | None = None) ->
   reference on a GPU that cannot run the kernels."""
   tuned = load_tuning(OP, device_kind())
   if tuned is not None:
-    config = config_from_entries(tuned["entries"], batch=batch, num_heads=num_heads)
+    config = config_from_entries(tuned["entries"], batch=batch, num_heads=num_heads,
+                                 num_sms=num_sms)
     if config is not None:
       return config
   return heuristic_config(batch=batch, num_heads=num_heads, num_sms=num_sms)
