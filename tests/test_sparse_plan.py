@@ -15,6 +15,7 @@ from jaxkv.kernels.sparse_mla_decode import (
 from jaxkv.kernels.sparse_mla_decode.config import (
     MAX_CLUSTER_CTAS,
     config_from_entries,
+    default_config,
     heuristic_config,
 )
 from jaxkv.kernels.sparse_mla_decode.plan import (
@@ -28,6 +29,7 @@ from jaxkv.kernels.sparse_mla_decode.plan import (
     wave_plan,
 )
 
+from devices import H100, as_first_device, gpu
 from sparse_problem import FAST, SCALE, TUNING, inputs
 
 
@@ -238,6 +240,41 @@ def test_tuned_entries_match_their_batches_alone():
   # A tuned split count that does not divide topk's tiles falls back as well.
   assert config_from_entries(entries, batch=1, num_heads=16, topk=1024) is None
   assert heuristic_config(batch=1, num_heads=16, topk=1024).num_splits == 16
+
+
+def test_every_tuning_file_gives_valid_configs():
+  files = sorted(TUNING.parent.glob("*.json"))
+  assert [f.name for f in files] == ["nvidia_h100_80gb_hbm3.json", "nvidia_h200.json"]
+  for path in files:
+    tuned = json.loads(path.read_text())
+    assert tuned["op"] == "sparse_mla_decode" and tuned["device"] == path.stem
+    for entry in tuned["entries"]:
+      for heads in entry["heads"]:
+        for batch in (entry.get("min_batch", 1), entry["max_batch"]):
+          config = config_from_entries(tuned["entries"], batch=batch, num_heads=heads, topk=2048)
+          assert config == SparseMLADecodeConfig(**entry["config"]), (path.name, entry)
+
+
+def test_the_h100_halves_the_heuristics_splits_where_its_run_said(monkeypatch):
+  """The H100's file (NOTES.md, "The H100's split counts"): 16 splits at
+  2 x 128 and 4 x 64, where the heuristic takes 32; the heuristic's count
+  elsewhere, the three other shapes of that run among them."""
+  h100 = gpu(*H100)
+  h100.core_count = 132
+  as_first_device(monkeypatch, h100)
+  tuned = {(2, 128): 16, (4, 64): 16}
+  for batch in (1, 2, 3, 4, 8, 16, 83, 128):
+    for heads in (16, 32, 64, 128):
+      got = default_config(batch=batch, num_heads=heads, topk=2048)
+      heuristic = heuristic_config(batch=batch, num_heads=heads, topk=2048)
+      assert got.num_splits == tuned.get((batch, heads), heuristic.num_splits), (batch, heads)
+      assert got.implementation == "pallas"
+  for batch, heads in tuned:
+    assert heuristic_config(batch=batch, num_heads=heads, topk=2048).num_splits == 32
+  for batch, heads, splits in ((1, 32, 32), (4, 128, 16), (8, 64, 16)):
+    assert default_config(batch=batch, num_heads=heads, topk=2048).num_splits == splits
+  # 16 splits do not divide top-k 512's eight tiles: the heuristic's count.
+  assert default_config(batch=2, num_heads=128, topk=512).num_splits == 8
 
 
 def test_wave_plan_counts_the_devices_sms(request):
