@@ -64,7 +64,7 @@ def test_another_gpu_runs_the_reference_by_default(monkeypatch, device):
 
 
 def test_hopper_runs_the_kernels_by_default(monkeypatch):
-  as_first_device(monkeypatch, gpu(*H100))  # its tuned files name other shapes: the heuristic
+  as_first_device(monkeypatch, gpu(*H100))  # its sparse file names other shapes: the heuristic
   assert dense_default(batch=4, num_heads=64).implementation == "pallas"
   assert write_kv_config("LBNHC").backend == "pallas"
   assert zero_blocks_config(1152).implementation == "pallas"

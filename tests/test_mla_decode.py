@@ -227,7 +227,7 @@ def test_parts_spanning_rows_match_reference_and_stay_nan_safe(splits):
 @pytest.mark.parametrize(
     "heads,bs,kv_swizzle,q_regs",
     [(128, 64, 128, 0), (16, 32, 128, 64), (64, 128, 128, 128), (16, 32, 64, 0),
-     (64, 64, 64, 128), (128, 128, 64, 64), (128, 64, 64, 192)],
+     (64, 64, 64, 128), (128, 128, 64, 64), (128, 64, 64, 192), (96, 64, 128, 128)],
 )
 def test_kernel_variants_match_reference_and_stay_nan_safe(heads, bs, kv_swizzle, q_regs):
   """The kernel's variants at every head count, whichever the device's config

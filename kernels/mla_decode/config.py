@@ -50,7 +50,8 @@ class MLADecodeConfig:
       of P into its values beside the other's softmax) or 128 (64-column
       tiles: TMA moves 128-byte rows, which stream faster, and each
       consumer's PV runs once per tile over all of P). Not a plan
-      parameter: it changes the kernel, whatever plan it runs.
+      parameter: it changes the kernel, whatever plan it runs. The
+      device's default config (tuned or heuristic) takes 128.
     q_regs: how many of the query's latent channels each consumer holds in
       registers for its QK (0, 64, 128 or 192; `q_regs / 4` registers per
       thread), so that the QK reads that much less of the query from SMEM.
@@ -105,12 +106,13 @@ def heuristic_config(*, batch: int, num_heads: int, num_sms: int | None = None) 
       # (batch 1-2 at 32K-64K), 16 left most SMs idle (1 x 64 x 32K on the
       # H200: 0.048 ms on 33 parts, 0.032 on 128; NOTES.md).
       min_chunk_blocks=4,
-      # One head group streams (faster under the 128-byte swizzle); two are
-      # bound by the consumers' chain, which the 64-byte one keeps shorter
-      # and the query's first 128 channels in registers shorten further (on
-      # the H200; on the H100, whose HBM is slower, the 128-byte swizzle
-      # wins there too, and its tuning file says so).
-      kv_swizzle=128 if head_groups == 1 else 64,
+      # The 128-byte swizzle streams faster. One head group is bound by the
+      # stream; two by the consumers' chain, which the query's first 128
+      # channels in registers shorten. The 64-byte swizzle, which keeps that
+      # chain shorter, won at two head groups on the H200 once (2026-12-01);
+      # on 2026-12-06 the 128-byte one ran 0.97-1.00 of its time there and
+      # 0.95-0.99 on an H100, at 72-128 heads (NOTES.md).
+      kv_swizzle=128,
       q_regs=0 if head_groups == 1 else 128,
       implementation=default_implementation(),
   )
@@ -125,8 +127,8 @@ def config_from_entries(
   to 1, `max_batch` to no bound) and `num_heads in heads`. Its `config`
   fields replace those of `heuristic_config` for this batch and heads (on
   `num_sms` multiprocessors), so an entry names only what its device's
-  sweep changed: `{"heads": [128], "config": {"kv_swizzle": 128}}` keeps
-  the heuristic's split count at every batch.
+  sweep changed: `{"heads": [128], "config": {"q_regs": 64}}` keeps the
+  heuristic's split count at every batch.
   """
   for entry in entries:
     in_batch = entry.get("min_batch", 1) <= batch <= entry.get("max_batch", batch)
