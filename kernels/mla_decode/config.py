@@ -32,6 +32,11 @@ def check_choice(name: str, value, choices) -> None:
 class MLADecodeConfig:
   """Static split-KV parameters (hashable; a jit static argument).
 
+  The fields' own defaults are the kernel's base layout (64-byte swizzle, no
+  query channels in registers), not the device's choice: to change one
+  field, start from the device's config, e.g. `dataclasses.replace(
+  default_config(batch=b, num_heads=h), num_splits=8)`.
+
   Attributes:
     num_splits: the most partial results (splits) one row may be cut into;
       the plan makes its parts longer rather than cut a row more often.
