@@ -39,6 +39,7 @@ import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import devices  # noqa: E402
 import interpreter_callbacks  # noqa: E402
 
 # The GPU interpreter's callbacks without a `device_put` of each argument (a
@@ -91,21 +92,16 @@ def interpreter_race_reports(request, monkeypatch):
     )
 
 
-class _H100PCIe:
-  """A GPU device as JAX reports one: 114 multiprocessors, no tuned configs."""
-
-  platform = "gpu"
-  device_kind = "NVIDIA H100 PCIe"
-  core_count = 114
-
-
 @pytest.fixture
 def h100_pcie(monkeypatch):
   """Makes the kernels' first device (`kernels._common.first_device`) an H100
-  PCIe, for the tests of plans sized by the device's multiprocessors."""
+  PCIe (114 multiprocessors, no tuned configs), for the tests of plans sized
+  by the device's multiprocessors. Calls still run where they ran: no GPU
+  is faked present (`devices.as_first_device` fakes one)."""
   from jaxkv.kernels import _common
 
-  monkeypatch.setattr(_common, "first_device", _H100PCIe)
+  device = devices.gpu("NVIDIA H100 PCIe", "9.0", core_count=114)
+  monkeypatch.setattr(_common, "first_device", lambda: device)
 
 
 # The files whose tests run interpreted kernels, slowest first: with `-n 2` the

@@ -12,9 +12,11 @@ B200 = ("NVIDIA B200", "10.0")
 H100 = ("NVIDIA H100 80GB HBM3", "9.0")
 
 
-def gpu(kind, capability, platform="gpu"):
+def gpu(kind, capability, platform="gpu", core_count=108):
+  """A device as JAX reports one (`core_count`: its multiprocessors, which
+  size the plans)."""
   return types.SimpleNamespace(platform=platform, device_kind=kind,
-                               compute_capability=capability, core_count=108)
+                               compute_capability=capability, core_count=core_count)
 
 
 def as_first_device(monkeypatch, device):

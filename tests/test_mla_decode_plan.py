@@ -39,11 +39,8 @@ def test_plan_covers_blocks_exactly():
 
 
 def test_configs_valid():
+  # Every tuned entry's validity: `test_every_tuning_file_gives_valid_configs`.
   entries = json.loads(TUNING.read_text())["entries"]
-  for entry in entries:
-    for heads in entry["heads"]:
-      config = config_from_entries(entries, batch=entry["max_batch"], num_heads=heads)
-      assert isinstance(config, MLADecodeConfig)
   for batch in (1, 8, 128):
     for heads in (16, 64, 128):
       assert heuristic_config(batch=batch, num_heads=heads).num_splits >= 1
