@@ -73,8 +73,10 @@ def test_every_tuning_file_gives_valid_configs():
       lo, hi = entry.get("min_batch", 1), entry.get("max_batch", 4096)
       for batch in {lo, (lo + hi) // 2, hi}:
         for heads in entry["heads"]:
-          assert isinstance(config_from_entries(tuned["entries"], batch=batch, num_heads=heads),
-                            MLADecodeConfig)
+          config = config_from_entries(tuned["entries"], batch=batch, num_heads=heads)
+          assert isinstance(config, MLADecodeConfig)
+          named = {k: getattr(config, k) for k in entry["config"]}
+          assert named == entry["config"], (path.name, entry, batch)
 
 
 def test_an_entry_replaces_only_the_heuristics_fields_it_names():
