@@ -7,13 +7,15 @@ against two figures measured in the same run: an XLA gather of the same rows
 fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
 
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
-      [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
+      [--kv-swizzle 64 128] [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
       [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
       [--combine kernel xla] [--parts auto|off|N ...] [--f16-partials 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
-`SparseMLADecodeConfig.q_regs`), and the NaN check runs each. `--pad-heads 1`
+`SparseMLADecodeConfig.q_regs`), and the NaN check runs each. `--kv-swizzle`
+likewise times each variant with each `SparseMLADecodeConfig.kv_swizzle`, and
+the on-device checks run under each. `--pad-heads 1`
 also times each variant with the query padded to 64 heads per group in XLA and
 the result sliced (the build before the unpadded query, for fewer heads than a
 head group), and compares its result bitwise with the unpadded one's.
@@ -113,6 +115,9 @@ def main(argv=None) -> int:
   parser.add_argument("--splits", type=int, default=0, help="0: default config")
   parser.add_argument("--q-regs", type=int, nargs="+", default=None,
                       help="time the kernel with each of these q_regs (default: the config's)")
+  parser.add_argument("--kv-swizzle", type=int, nargs="+", default=None, choices=[64, 128],
+                      help="time the kernel with each of these kv_swizzle values (default: the"
+                      " config's); the checks run under each")
   parser.add_argument("--shapes", nargs="+", default=None,
                       help="B:H[:TOPK[:INVALID]] instead of the default shapes (TOPK 2048, "
                       "INVALID the fraction of -1 indices, 0)")
@@ -172,7 +177,9 @@ def main(argv=None) -> int:
         c.reshape(-1, 576)[jnp.maximum(i, 0)], axis=1, dtype=jnp.float32))
     t_ceil = _time(ceil, cache, idx)
     t_ref = _time(ref, q, cache, idx)
-    q_regs = args.q_regs or [cfg.q_regs]
+    swizzles = args.kv_swizzle or [cfg.kv_swizzle]
+    # (q_regs, kv_swizzle) pairs: `qr` below.
+    q_regs = [(r, sw) for r in args.q_regs or [cfg.q_regs] for sw in swizzles]
     stage_out = [bool(v) for v in args.stage_out] if args.stage_out else [cfg.stage_out]
     pads = sorted({bool(v) for v in args.pad_heads})
     merges = [None]
@@ -194,8 +201,8 @@ def main(argv=None) -> int:
                 for pt in parts for fp in f16s]
     outs = {}
     for mode, qr, so, ph, cm, cb, pt, fp in variants:
-      vcfg = dataclasses.replace(cfg, q_regs=qr, stage_out=so, cluster_merge=cm, combine=cb,
-                                 parts=pt, f16_partials=fp)
+      vcfg = dataclasses.replace(cfg, q_regs=qr[0], kv_swizzle=qr[1], stage_out=so,
+                                 cluster_merge=cm, combine=cb, parts=pt, f16_partials=fp)
       if pt and pt > batch:
         continue
       if fp != f16s[0] and (ph or not merged_after(vcfg, batch, heads, topk)):
@@ -203,7 +210,8 @@ def main(argv=None) -> int:
       if ph:
         fn = jax.jit(lambda q, c, i, mode=mode, vcfg=vcfg: _sparse_mla_decode(
             q, c, i, sm_scale=SCALE, select=mode == "select", num_splits=vcfg.num_splits,
-            interpret=None, q_regs=vcfg.q_regs, stage_out=vcfg.stage_out, pad_heads=True,
+            interpret=None, q_regs=vcfg.q_regs, kv_swizzle=vcfg.kv_swizzle,
+            stage_out=vcfg.stage_out, pad_heads=True,
             cluster_merge=merges_in_cluster(vcfg, batch=batch, num_heads=heads),
             xla_combine=cb == "xla"))
       else:
@@ -235,30 +243,31 @@ def main(argv=None) -> int:
       first = pt == parts[0] and fp == f16s[0]
       if first and cm is not None and (mode, qr, so, ph, not cm, cb) in outs:
         close = same_result(outs[mode, qr, so, ph, cm, cb], outs[mode, qr, so, ph, not cm, cb])
-        print(f"b{batch} h{heads} {mode} q_regs {qr}: cluster merge and combine kernel"
+        print(f"b{batch} h{heads} {mode} q_regs, kv_swizzle {qr}: cluster merge and combine kernel"
               f" agree: {close}", flush=True)
         good &= close
       if first and cb == "xla" and (mode, qr, so, ph, cm, "kernel") in outs:
         close = same_result(outs[mode, qr, so, ph, cm, cb], outs[mode, qr, so, ph, cm, "kernel"])
-        print(f"b{batch} h{heads} {mode} q_regs {qr}: merge kernel and XLA combine"
+        print(f"b{batch} h{heads} {mode} q_regs, kv_swizzle {qr}: merge kernel and XLA combine"
               f" agree: {close}", flush=True)
         good &= close
       if first and so and not ph and (mode, qr, False, False, cm, cb) in outs:
         same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm, cb],
                                                    outs[mode, qr, False, ph, cm, cb]))
-        print(f"b{batch} h{heads} {mode} q_regs {qr} cluster merge {cm}: staged result"
+        print(f"b{batch} h{heads} {mode} q_regs, kv_swizzle {qr} cluster merge {cm}: staged result"
               f" bit-equal to direct stores: {same}", flush=True)
         good &= same
       if first and ph:
         same = all((a == b).all() for a, b in zip(outs[mode, qr, so, ph, cm, cb],
                                                    outs[mode, qr, so, False, cm, cb]))
-        print(f"b{batch} h{heads} {mode} q_regs {qr} stage_out {so}: padded query's result"
+        print(f"b{batch} h{heads} {mode} q_regs, kv_swizzle {qr} stage_out {so}: padded query's result"
               f" bit-equal to the unpadded one's: {same}", flush=True)
         good &= same
       ok &= good
       t, t_kernel = _time_parts(fn, q, cache, idx)
       rows.append((batch, heads, topk, invalid,
-                   f"{mode}/qr{qr}{'/so' if so else ''}{'/pad' if ph else ''}"
+                   f"{mode}/qr{qr[0]}{f'/sw{qr[1]}' if len(swizzles) > 1 else ''}"
+                   f"{'/so' if so else ''}{'/pad' if ph else ''}"
                    f"{'' if cm is None else '/cm' if cm else '/xc'}"
                    f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}"
                    f"{'' if len(parts) == 1 else f'/p{pt}'}"
@@ -272,9 +281,10 @@ def main(argv=None) -> int:
           f" {merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)}, ceiling"
           f" {kv_bytes / t_ceil / 1e12:.2f} TB/s, XLA reference {t_ref * 1e6:.0f} us", flush=True)
 
-  ok &= check_nan_poisoning(args, cut_rows)
-  ok &= check_ids_outside_the_cache(args, cut_rows)
-  ok &= check_stale_stage_rows(args, cut_rows)
+  for sw in args.kv_swizzle or [None]:
+    ok &= check_nan_poisoning(args, cut_rows, sw)
+    ok &= check_ids_outside_the_cache(args, cut_rows, sw)
+    ok &= check_stale_stage_rows(args, cut_rows, sw)
 
   print("\nbatch heads  topk invalid mode/q_regs           us  kernel    TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")

@@ -86,6 +86,11 @@ def pallas_config(splits, batch, heads, topk=TOPK, cut_rows=None, pieces=None):
   return config
 
 
+def _swizzled(config, kv_swizzle):
+  """`config` under `kv_swizzle` (None: as it is)."""
+  return config if kv_swizzle is None else dataclasses.replace(config, kv_swizzle=kv_swizzle)
+
+
 def check_variants(args, cut_rows):
   """The checks' base config (16 rows, 64 heads, the bench's `--splits`,
   `--cut-rows` and `--pieces`), the stream's parts they also run with ([6]
@@ -96,9 +101,9 @@ def check_variants(args, cut_rows):
   return base, streams, f16_checks
 
 
-def check_nan_poisoning(args, cut_rows) -> bool:
+def check_nan_poisoning(args, cut_rows, kv_swizzle=None) -> bool:
   """NaN in slot 0 and in rows no index selects, with every variant the bench's
-  arguments name."""
+  arguments name (each under `kv_swizzle` where given)."""
   ok = True
   # NaN in slot 0 and in rows no index selects: "select" stays clean,
   # "multiply" turns exactly the rows holding a -1 into NaN.
@@ -131,7 +136,7 @@ def check_nan_poisoning(args, cut_rows) -> bool:
       cfg = dataclasses.replace(cfg, cut_rows=min(cut_rows, 16), pieces=args.pieces)
     if pt:
       cfg = dataclasses.replace(cfg, num_splits=1, cut_rows=None, pieces=None, parts=pt)
-    cfg = dataclasses.replace(cfg, f16_partials=fp)
+    cfg = _swizzled(dataclasses.replace(cfg, f16_partials=fp), kv_swizzle)
     if fp != f16_checks[0] and not merged_after(cfg, 16, 64, TOPK):
       continue  # the same call as with the first value
     f = lambda c, m, cfg=cfg: sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, config=cfg)
@@ -142,7 +147,8 @@ def check_nan_poisoning(args, cut_rows) -> bool:
     nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
         False] + [True] * 7 + [False] * 8
     ok &= nan_ok
-    print(f"NaN poisoning (q_regs {qr}, stage_out {so}, cut_rows {cfg.cut_rows},"
+    print(f"NaN poisoning (q_regs {qr}, kv_swizzle {cfg.kv_swizzle}, stage_out {so},"
+          f" cut_rows {cfg.cut_rows},"
           f" pieces {cfg.pieces}, combine {cfg.combine},"
           f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}, parts {cfg.parts},"
           f" f16_partials {cfg.f16_partials}):"
@@ -152,9 +158,10 @@ def check_nan_poisoning(args, cut_rows) -> bool:
   return ok
 
 
-def check_ids_outside_the_cache(args, cut_rows) -> bool:
+def check_ids_outside_the_cache(args, cut_rows, kv_swizzle=None) -> bool:
   """Ids past the cache or negative, in every mode the bench's arguments name
-  (with the stream's 6 parts where `--parts` asks for a count)."""
+  (with the stream's 6 parts where `--parts` asks for a count; under
+  `kv_swizzle` where given)."""
   ok = True
   _, streams, f16_checks = check_variants(args, cut_rows)
   # Ids outside the cache are invalid exactly as -1 is: bit-equal results in
@@ -169,7 +176,8 @@ def check_ids_outside_the_cache(args, cut_rows) -> bool:
   cfg = pallas_config(args.splits or (1 if cut_rows else 0), 16, 64, cut_rows=cut_rows,
                        pieces=args.pieces)
   cfgs = [cfg] + [SparseMLADecodeConfig(parts=pt) for pt in streams]
-  cfgs = [dataclasses.replace(c, f16_partials=fp) for c in cfgs for fp in f16_checks
+  cfgs = [_swizzled(dataclasses.replace(c, f16_partials=fp), kv_swizzle)
+          for c in cfgs for fp in f16_checks
           if fp == f16_checks[0] or merged_after(c, 16, 64, TOPK)]
   for cfg in cfgs:
     for mode in args.modes:
@@ -177,15 +185,16 @@ def check_ids_outside_the_cache(args, cut_rows) -> bool:
                                                           mask_mode=mode, config=cfg)
       same = all(bool((np.asarray(a) == np.asarray(b)).all()) for a, b in zip(f(odd), f(idx)))
       ok &= same
-      print(f"ids outside the cache ({mode}, {cfg.num_splits} splits, cut_rows {cfg.cut_rows},"
+      print(f"ids outside the cache ({mode}, kv_swizzle {cfg.kv_swizzle},"
+            f" {cfg.num_splits} splits, cut_rows {cfg.cut_rows},"
             f" pieces {cfg.pieces}, parts {cfg.parts}, f16_partials {cfg.f16_partials}):"
             f" bit-equal to -1: {same}")
   return ok
 
 
-def check_stale_stage_rows(args, cut_rows) -> bool:
+def check_stale_stage_rows(args, cut_rows, kv_swizzle=None) -> bool:
   """Stale stage rows and NaN data in 6 parts, in every mode and `f16_partials`
-  value the bench's arguments name."""
+  value the bench's arguments name (under `kv_swizzle` where given)."""
   ok = True
   _, _, f16_checks = check_variants(args, cut_rows)
   # A -1's stage row is zero-filled, never what an earlier tile left there:
@@ -206,7 +215,7 @@ def check_stale_stage_rows(args, cut_rows) -> bool:
   nan_heads = lambda x: np.isnan(np.asarray(x, np.float32)).reshape(16, 64, -1)
   for fp in f16_checks:
     for mode in args.modes:
-      cfg = SparseMLADecodeConfig(parts=6, f16_partials=fp)
+      cfg = _swizzled(SparseMLADecodeConfig(parts=6, f16_partials=fp), kv_swizzle)
       out, lse = jax.block_until_ready(
           sparse_mla_decode(q, cache, idx, sm_scale=SCALE, mask_mode=mode, config=cfg))
       ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE,
@@ -217,6 +226,7 @@ def check_stale_stage_rows(args, cut_rows) -> bool:
       nans = all((nan_heads(x).all(-1) == want_nan).all() and (nan_heads(x).any(-1) == want_nan).all()
                  for x in (out, lse, ref_out, ref_lse))
       ok &= clean and nans
-      print(f"stale stage rows ({mode}, parts 6, f16_partials {fp}): the other heads the"
+      print(f"stale stage rows ({mode}, kv_swizzle {cfg.kv_swizzle}, parts 6, f16_partials"
+            f" {fp}): the other heads the"
             f" reference's: {clean}; NaN data NaN at exactly row 0 and row 2's head 5: {nans}")
   return ok

@@ -11,14 +11,16 @@ from sparse_problem import BLOCK_SIZE, NUM_BLOCKS, SCALE
 
 
 @pytest.mark.parametrize(
-    "select, splits, heads, q_regs, stage_out",
-    [(True, 1, 64, 0, False), (False, 2, 128, 0, False), (True, 1, 128, 128, False),
-     (False, 1, 128, 128, True),
+    "select, splits, heads, q_regs, stage_out, kv_swizzle",
+    [(True, 1, 64, 0, False, 64), (False, 2, 128, 0, False, 64), (True, 1, 128, 128, False, 64),
+     (False, 1, 128, 128, True, 64),
      # Unpadded queries: the zeroed query rows, the last group's shorter copies
      # and (staged) stores.
-     (True, 1, 16, 0, True), (False, 2, 96, 0, False)],
+     (True, 1, 16, 0, True, 64), (False, 2, 96, 0, False, 64),
+     # The gather into 64-column tiles, the whole-P PV with P from registers.
+     (True, 1, 128, 128, True, 128), (False, 2, 64, 0, False, 128)],
 )
-def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_out):
+def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_out, kv_swizzle):
   """The compiled kernel's own path (the per-thread cp.async gather, the stage
   mbarriers, "multiply"'s warp reduction) exists only for the GPU, where the
   interpreter cannot run it: lowering it for CUDA here catches a broken body on a
@@ -29,7 +31,7 @@ def test_compiled_kernel_lowers_for_hopper(select, splits, heads, q_regs, stage_
   call = K.build_kernel(
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=splits,
       sm_scale=SCALE, select=select, interpret=None, q_regs=q_regs, stage_out=stage_out,
-      out_dtype=jnp.bfloat16, q_heads=heads,
+      out_dtype=jnp.bfloat16, q_heads=heads, kv_swizzle=kv_swizzle,
   )
   _assert_lowers(call, batch, heads, topk, select)
 
@@ -102,17 +104,19 @@ def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select
   assert "gpu.cluster_block_id" in text
 
 
-@pytest.mark.parametrize("select, heads", [(True, 128), (False, 16)])
-def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, heads):
+@pytest.mark.parametrize("select, heads, kv_swizzle", [(True, 128, 64), (False, 16, 64),
+                                                     (True, 128, 128)])
+def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, heads, kv_swizzle):
   """`parts` on the compiled path: a loop over a part's row segments, the
   query reloaded per segment, the result, and both pieces' partial stores in
-  one body."""
+  one body (under the 128-byte swizzle, with the fence at a segment's end)."""
   from jaxkv.kernels.sparse_mla_decode import kernel as K
 
   batch, topk = 5, 128
   call = K.build_kernel(
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
-      out_dtype=jnp.bfloat16, q_heads=heads, parts=3,
+      out_dtype=jnp.bfloat16, q_heads=heads, parts=3, kv_swizzle=kv_swizzle,
+      f16_partials=kv_swizzle == 128,
   )
   _assert_lowers(call, batch, heads, topk, select)

@@ -54,6 +54,51 @@ def test_matches_reference(heads, mode, splits, dup, q_regs):
   check(out[live], lse[live], ref_out[live], ref_lse[live])
 
 
+@pytest.mark.parametrize(
+    "heads, mode, schedule",
+    [
+        # One split: the result staged through the last tile's stage (race
+        # detector on).
+        (128, "select", dict(num_splits=1)),
+        # Two splits' float16 partials through the stages, the merge kernel;
+        # an unpadded partial second head group.
+        (96, "multiply", dict(num_splits=2)),
+        # The stream: a query per row segment, landing where P was (the
+        # fence at a segment's end), rows cut between parts.
+        (16, "select", dict(parts=3)),
+    ],
+)
+def test_the_128_byte_swizzle_matches_reference_and_stays_nan_safe(heads, mode, schedule):
+  """`kv_swizzle=128`: the query and the rings in 64-column tiles, each
+  consumer's PV over a tile's whole P. The reference's result (the dead last
+  row 0 and -inf); with NaN in slot 0 and in every slot no index selects,
+  "select" bit-equal to clean memory and "multiply" NaN in exactly the rows
+  where the reference is (those holding a -1; row 0 holds none)."""
+  batch = 5 if "parts" in schedule else 3
+  q, cache, idx = inputs(71 + heads, batch, heads, 128, invalid=0.2, dead_rows=(batch - 1,))
+  idx = idx.at[0].set(jnp.where(idx[0] < 0, 1, idx[0]))
+  config = SparseMLADecodeConfig(kv_swizzle=128, **schedule)
+
+  def run(c, m, interpret=FAST):
+    return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, interpret=interpret,
+                             config=config)
+
+  out, lse = run(cache, mode, interpret=INTERPRET if heads == 128 else FAST)
+  assert out.shape == (batch, heads, 512) and lse.shape == (batch, heads)
+  ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE, mask_mode=mode)
+  check(out[:-1], lse[:-1], ref_out[:-1], ref_lse[:-1])
+  assert (np.asarray(out[-1], np.float32) == 0).all() and (np.asarray(lse[-1]) == -np.inf).all()
+  poisoned = poison_unselected(cache, idx)
+  clean = (out, lse) if mode == "select" else run(cache, "select")
+  for a, b in zip(run(poisoned, "select"), clean):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  ref_nan, _ = sparse_mla_decode_reference(q, poisoned, idx, sm_scale=SCALE, mask_mode="multiply")
+  want = np.isnan(np.asarray(ref_nan, np.float32)).any(axis=(1, 2))
+  assert not want[0] and want[1:-1].all() and not want[-1]
+  mul_out, _ = run(poisoned, "multiply")
+  np.testing.assert_array_equal(np.isnan(np.asarray(mul_out, np.float32)).any(axis=(1, 2)), want)
+
+
 @pytest.mark.parametrize("mode", ["select", "multiply"])
 def test_long_index_list(mode):
   """Eight tiles of indices in one split: the producer's index ring wraps around

@@ -193,6 +193,9 @@ def test_config_validation():
     SparseMLADecodeConfig(implementation="triton")
   with pytest.raises(ValueError, match="q_regs"):
     SparseMLADecodeConfig(q_regs=32)
+  for swizzle in (32, 256, True):
+    with pytest.raises(ValueError, match="kv_swizzle"):
+      SparseMLADecodeConfig(kv_swizzle=swizzle)
   # (The suite's runtime type checks answer first, with a TypeError.)
   with pytest.raises((TypeError, ValueError), match="stage_out"):
     SparseMLADecodeConfig(stage_out=1)

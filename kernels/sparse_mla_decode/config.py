@@ -12,7 +12,7 @@ from jaxkv.kernels._common import (
     load_tuning,
 )
 from jaxkv.kernels._common import num_sms as device_sms
-from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
+from jaxkv.kernels.mla_decode.config import KV_SWIZZLES, Q_REGS, check_choice
 
 OP = "sparse_mla_decode"
 MAX_SPLITS = 64
@@ -110,6 +110,12 @@ class SparseMLADecodeConfig:
       109.2 µs, 110 x 128 from 139.6 to 133.8, 140 x 128 from 174.0 to 167.8,
       200 x 128 from 238.4 to 231.8 and 270 x 64 from 191.6 to 187.4; 300 x 16
       and 2 x 128 (16 splits) within 1% (NOTES.md).
+    kv_swizzle: the byte width of the swizzle of the query and the KV ring
+      in SMEM, as in dense decode (`MLADecodeConfig.kv_swizzle`; 64 or
+      128): at 64, 32-column tiles, and each consumer multiplies its own
+      half of a tile's P into its values beside the other's softmax; at
+      128, 64-column tiles, which the gather fills just as fast, and each
+      consumer's PV takes the whole P of a tile at once.
   """
 
   num_splits: int = 1
@@ -122,6 +128,7 @@ class SparseMLADecodeConfig:
   combine: str = "kernel"
   parts: int | None = None
   f16_partials: bool = True
+  kv_swizzle: int = 64
 
   def __post_init__(self):
     value = self.num_splits
@@ -132,6 +139,7 @@ class SparseMLADecodeConfig:
     if self.implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{self.implementation=} must be one of {IMPLEMENTATIONS}")
     check_choice("q_regs", self.q_regs, Q_REGS)
+    check_choice("kv_swizzle", self.kv_swizzle, KV_SWIZZLES)
     check_choice("combine", self.combine, COMBINES)
     if not isinstance(self.stage_out, bool):
       raise ValueError(f"{self.stage_out=} must be a bool")

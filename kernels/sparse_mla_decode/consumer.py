@@ -25,6 +25,7 @@ from jaxkv.kernels.mla_decode.seesaw import (
     seesaw_begin,
     seesaw_end,
     seesaw_pv,
+    seesaw_pv_whole,
     seesaw_row_sums,
     seesaw_tile,
     softmax_finish,
@@ -58,6 +59,7 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
   bars = smem.bars
+  p_fence = not (launch.whole_pv and compiled)  # P fenced toward the async proxy per tile
 
   def tiles(n, steps, hold=None):
     """A segment's n tiles, the CTA's tiles `steps` on: (acc, m, l_own).
@@ -96,10 +98,20 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
     s = jnp.where(valid, s * launch.scale_log2, -jnp.inf)
     # m starts at a finite floor below any score, so a row with no
     # valid index so far gets p = exp2(-inf - floor) = 0, never NaN.
-    pv = functools.partial(
-        seesaw_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=smem.p_smem, p_scratch=smem.p_scratch
-    )
-    carry = seesaw_tile(wg, s, carry, pv=pv, xchg=xchg, p_smem=smem.p_smem, bars=bars)
+    if launch.whole_pv:
+      pv = functools.partial(
+          seesaw_pv_whole, k_lat=k_lat, slot=stage, wg=wg, p_smem=smem.p_smem,
+          compiled=compiled)
+    else:
+      pv = functools.partial(
+          seesaw_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=smem.p_smem,
+          p_scratch=smem.p_scratch)
+    # The other warpgroup's wgmma reads our P half from SMEM (the async
+    # proxy) under the 64-byte swizzle and in the interpreter; compiled
+    # under 128 it loads it with plain loads, which the seesaw's barriers
+    # order (the stream fences once a segment ends, below).
+    carry = seesaw_tile(wg, s, carry, pv=pv, xchg=xchg, p_smem=smem.p_smem, bars=bars,
+                        whole_pv=launch.whole_pv, fence=p_fence)
     if hold is None:
       plgpu.barrier_arrive(free_bar.at[stage])
     else:
@@ -170,6 +182,10 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
       if stage_out or f16:
         hold = (whole if stage_out else False) | (~whole if f16 else False)
       acc, m_i, l_own = tiles(n, steps, hold=hold)
+      if not p_fence:
+        # The next segment's RoPE query lands in P's tile by TMA: our last
+        # P writes go to the async proxy before we release it.
+        plgpu.commit_smem()
       plgpu.barrier_arrive(smem.q_free_bar)  # both QKs and PVs of the query are done
       l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=True)
       o, lse = softmax_finish(acc, m_i, l_i)

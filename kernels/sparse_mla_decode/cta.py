@@ -34,6 +34,7 @@ class Launch:
   select: bool
   compiled: bool
   q_regs: int
+  kv_swizzle: int  # the query's and KV ring's swizzle: 128 takes `seesaw_pv_whole`
   scale_log2: float
   out_dtype: Any
   head_groups: int
@@ -51,6 +52,11 @@ class Launch:
   def direct(self) -> bool:
     """One split: the kernel writes the result (no merge of splits)."""
     return self.num_splits == 1
+
+  @property
+  def whole_pv(self) -> bool:
+    """Each consumer's PV takes a tile's whole P (the 128-byte swizzle)."""
+    return self.kv_swizzle == 128
 
   @property
   def last_stage(self) -> int:

@@ -14,11 +14,15 @@ Pallas exposes no per-thread gathered copy, so this is written in Mosaic GPU's
 own IR (`plgpu.inline_mgpu`) and runs compiled only; the interpreter's
 producer copies rows with one-row TMA copies instead (`producer.py`).
 
-Layout (bf16, 32-column tiles, 64-byte swizzle, as `mla_decode.kernel`
-allocates its operands): element (row, col) of a `[rows, cols]` buffer lives in
-the 512-byte tile `(row // 8, col // 32)` (row-major over tiles), at byte
-`(row % 8) * 64 + 2 * (col % 32)` in it, with the 16-byte chunk index (bits
-4-5) XORed with bits 7-8 of that in-tile offset, i.e. with `(row % 8) // 2`.
+Layout (bf16, tiles of 8 rows and `swizzle` bytes, as `mla_decode.kernel`
+allocates its operands, `bf16_tile(swizzle)`): with `cols = swizzle // 2`,
+element (row, col) of a `[rows, width]` buffer lives in the `8 * swizzle`-byte
+tile `(row // 8, col // cols)` (row-major over tiles), at byte
+`(row % 8) * swizzle + 2 * (col % cols)` in it, with the 16-byte chunk index
+(bits 4 up, `swizzle // 16` chunks) XORed with bits 7 up of that in-tile
+offset: at 64 bytes (32-column tiles) with `(row % 8) // 2`, at 128 (64-column
+tiles) with `row % 8`. A thread's 16-byte piece of a row's 128-byte span lands
+in one of the span's two tiles at 64 bytes, in its one tile at 128.
 """
 
 from __future__ import annotations
@@ -32,15 +36,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
 
+from jaxkv.kernels.mla_decode.layout import bf16_tile
+
 HEAD_DIM = 576
 LATENT = 512
 HALF = 256  # channels per latent half buffer
-COLS = 32  # columns per operand tile
-TILE_BYTES = 8 * COLS * 2  # one [8, 32] bf16 tile
+SWIZZLES = (64, 128)  # the operand layouts the gather writes (bytes per tile row)
 PIECE = 16  # bytes per cp.async
+SPAN = 128  # bytes of a row that one pass of 8 threads copies
 LANES_PER_ROW = 8  # threads per 128-byte span of a row
 ROWS_PER_PASS = 128 // LANES_PER_ROW  # rows one pass of the warpgroup covers
-SPANS = HEAD_DIM * 2 // (PIECE * LANES_PER_ROW)  # 9 spans of 128 bytes per row
+SPANS = HEAD_DIM * 2 // SPAN  # 9 spans of 128 bytes per row
 WARPS = 4  # per warpgroup
 # int32s of `null_first_invalid`'s SMEM scratch: a slot per warp.
 FIRST_INVALID_SCRATCH = WARPS
@@ -105,7 +111,7 @@ def _from_scalars(values, tile: int):
 
 
 def issue_gather(
-    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *, tile: int, transforms,
+    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *, tile: int, swizzle: int = 64,
 ) -> None:
   """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r, and `idx_src`
   into `idx_dst`; `bar` completes its phase when all of them landed.
@@ -128,11 +134,18 @@ def issue_gather(
       (`cp.async.mbarrier.arrive.noinc`), so the phase completes when the
       whole tile has landed and nobody waits for it here.
     tile: rows per call, a multiple of 16.
-    transforms: the operands' tiling and swizzle (`mla_decode.layout.bf16_tile`).
+    swizzle: the operands' layout, `bf16_tile(swizzle)` (64 or 128; the
+      module's docstring).
   """
   assert tile % ROWS_PER_PASS == 0
-  lat_tiles_per_row = HALF // COLS  # tiles across one 8-row band of a half
-  rope_tiles_per_row = (HEAD_DIM - LATENT) // COLS
+  assert swizzle in SWIZZLES
+  transforms = bf16_tile(swizzle)
+  cols = swizzle // 2  # columns per operand tile
+  tile_bytes = 8 * swizzle  # one [8, cols] bf16 tile
+  chunks = swizzle // PIECE  # 16-byte chunks per tile row
+  span_tiles = SPAN // swizzle  # tiles one 128-byte span of a row covers
+  lat_tiles_per_row = HALF // cols  # tiles across one 8-row band of a half
+  rope_tiles_per_row = (HEAD_DIM - LATENT) // cols
 
   @plgpu.inline_mgpu(
       arg_types=(
@@ -155,16 +168,18 @@ def issue_gather(
     t = arith.remui(mgpu_utils.thread_idx(), c32(128))
     lane = arith.remui(t, c32(LANES_PER_ROW))  # 16-byte piece within a 128-byte span
     row0 = arith.divui(t, c32(LANES_PER_ROW))  # first row; then every 16th
-    # Inside an 8-row tile: the row's 64-byte line, the swizzled piece.
+    # Inside an 8-row tile: the row's `swizzle`-byte line, the swizzled piece
+    # (its chunk index XOR bits 7 up of the line's offset, `in_row * swizzle`).
     in_row = arith.remui(row0, c32(8))
-    chunk = arith.xori(arith.remui(lane, c32(4)), arith.shrui(in_row, c32(1)))
-    in_tile = arith.addi(arith.muli(in_row, c32(COLS * 2)), arith.muli(chunk, c32(PIECE)))
+    line_bits = arith.shrui(in_row, c32(SPAN // swizzle - 1))  # in_row * swizzle / 128
+    chunk = arith.xori(arith.remui(lane, c32(chunks)), line_bits)
+    in_tile = arith.addi(arith.muli(in_row, c32(swizzle)), arith.muli(chunk, c32(PIECE)))
     band = arith.divui(row0, c32(8))
-    col_tile = arith.divui(lane, c32(4))  # which of a span's two 32-column tiles
+    col_tile = arith.divui(lane, c32(chunks))  # which of a span's tiles (0 at 128)
 
     def dst_ptr(ref, tiles_per_band):
       tile_idx = arith.addi(arith.muli(band, c32(tiles_per_band)), col_tile)
-      off = arith.addi(arith.muli(tile_idx, c32(TILE_BYTES)), in_tile)
+      off = arith.addi(arith.muli(tile_idx, c32(tile_bytes)), in_tile)
       return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [off], i8)
 
     lat_ptr = dst_ptr(lat_ref, lat_tiles_per_row)
@@ -177,16 +192,16 @@ def issue_gather(
       # Row r = row0 + 16p: two 8-row bands further per pass. `src_size`: 16,
       # or 0 to fill the row with zeros.
       for span in range(SPANS):
-        if span < LATENT * 2 // (PIECE * LANES_PER_ROW):
-          half, sub = divmod(span, 4)
+        if span < LATENT * 2 // SPAN:
+          half, sub = divmod(span, HALF * 2 // SPAN)
           off = (
-              half * (tile // 8) * lat_tiles_per_row * TILE_BYTES
-              + p * 2 * lat_tiles_per_row * TILE_BYTES
-              + sub * 2 * TILE_BYTES
+              half * (tile // 8) * lat_tiles_per_row * tile_bytes
+              + p * 2 * lat_tiles_per_row * tile_bytes
+              + sub * span_tiles * tile_bytes
           )
           dst = mgpu_utils.getelementptr(lat_ptr, [off], i8)
         else:
-          off = p * 2 * rope_tiles_per_row * TILE_BYTES
+          off = p * 2 * rope_tiles_per_row * tile_bytes
           dst = mgpu_utils.getelementptr(rope_ptr, [off], i8)
         piece = mgpu_utils.getelementptr(src, [span * PIECE * LANES_PER_ROW], i8)
         nvvm.cp_async_shared_global(dst, piece, PIECE, nvvm.LoadCacheModifierKind.CG,

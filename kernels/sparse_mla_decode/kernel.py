@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkv.kernels.mla_decode.config import Q_REGS, check_choice
+from jaxkv.kernels.mla_decode.config import KV_SWIZZLES, Q_REGS, check_choice
 from jaxkv.kernels.mla_decode.layout import (
     HALF,
     HEAD_TILE,
@@ -108,6 +108,7 @@ def build_kernel(
     interpret,
     out_dtype=jnp.float32,
     q_regs: int = 0,
+    kv_swizzle: int = 64,
     stage_out: bool = False,
     q_heads: int | None = None,
     cut_rows: int = 0,
@@ -131,6 +132,12 @@ def build_kernel(
 
   `q_regs`: the query's latent channels each consumer holds in registers for
   its QK, as in dense decode (`mla_decode.kernel.build_kernel`).
+
+  `kv_swizzle`: the byte width of the swizzle of the query, the KV ring and
+  the RoPE ring (64 or 128), as in dense decode: at 128 the gather writes
+  64-column tiles and each consumer's PV takes a tile's whole P
+  (`seesaw_pv_whole`, P from registers compiled), where at 64 each
+  multiplies its own half first.
 
   `stage_out`: with one split and a bf16 result, each consumer writes its
   half of the result into its value half of the last tile's stage (free by
@@ -209,10 +216,12 @@ def build_kernel(
       num_splits == 1 and cut_rows and pieces == 2 and (batch - cut_rows) % 2 == 0)
   assert not f16_partials or (not cluster_merge and (parts or cut_rows or num_splits > 1))
   check_choice("q_regs", q_regs, Q_REGS)
+  check_choice("kv_swizzle", kv_swizzle, KV_SWIZZLES)
   num_tiles = topk // (TILE * num_splits)  # per split, static
   dtype = jnp.bfloat16
   compiled = interpret is None
-  bf16 = bf16_tile()
+  bf16 = bf16_tile()  # P's tile (the RoPE query's, compiled)
+  kv = bf16_tile(kv_swizzle)  # the query and the KV ring
   direct = num_splits == 1  # no merge: the kernel writes the result
   cluster_size = cluster_ctas(num_splits=num_splits, cut_rows=cut_rows,
                               cluster_merge=cluster_merge)
@@ -231,7 +240,8 @@ def build_kernel(
   lse_staged = tail_heads < HEAD_TILE and out_heads < heads_padded
   static = Launch(
       batch=batch, num_tiles=num_tiles, num_splits=num_splits, select=select,
-      compiled=compiled, q_regs=q_regs, scale_log2=float(sm_scale) * LOG2E,
+      compiled=compiled, q_regs=q_regs, kv_swizzle=kv_swizzle,
+      scale_log2=float(sm_scale) * LOG2E,
       out_dtype=out_dtype, head_groups=heads_padded // HEAD_TILE, tail_heads=tail_heads,
       cut_rows=cut_rows, pieces=pieces,
       cluster_merge=cluster_merge, cluster_size=cluster_size, parts=parts,
@@ -290,7 +300,7 @@ def build_kernel(
       for w in range(2):
         pl.when(wg == w)(lambda w=w: consume(w, static, cta, smem, o_ref, lse_ref, more_refs))
 
-    ring = plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=bf16)  # k_lat
+    ring = plgpu.SMEM((NUM_STAGES, 2, TILE, HALF), dtype, transforms=kv)  # k_lat
     if compiled:
       extra = [
           plgpu.SMEM((NUM_STAGES, 2), jnp.int32),
@@ -300,7 +310,7 @@ def build_kernel(
       # A stage is ready when the tile's 3 copies per row and its indices'
       # copy landed.
       extra = [
-          plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=bf16),
+          plgpu.SMEM((HEAD_TILE, ROPE), dtype, transforms=kv),
           plgpu.Barrier(num_arrivals=3 * TILE + 1, num_barriers=NUM_STAGES),
           seesaw_p_scratch(),
       ]
@@ -319,9 +329,9 @@ def build_kernel(
       extra.append(plgpu.ClusterBarrier(collective_axes=("s",), num_arrivals=2))
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=bf16),
+        plgpu.SMEM((2, HEAD_TILE, HALF), dtype, transforms=kv),
         plgpu.RefUnion(ring, merge_stage) if stage_merged and compiled else ring,
-        plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=bf16),
+        plgpu.SMEM((NUM_STAGES, TILE, ROPE), dtype, transforms=kv),
         plgpu.SMEM((HEAD_TILE, TILE), dtype, transforms=bf16),
         plgpu.SMEM((2, HEAD_TILE), jnp.float32),
         plgpu.SMEM((IDX_STAGES, TILE), jnp.int32),

@@ -16,7 +16,6 @@ from jaxkv.kernels.mla_decode.layout import (
     LATENT,
     NUM_STAGES,
     ROPE,
-    bf16_tile,
     load_query,
     zero_query_rows,
 )
@@ -51,7 +50,6 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
   cut_rows, num_tiles, n_steps = launch.cut_rows, launch.num_tiles, cta.n_steps
   q_lat, k_lat, k_rope, ids = smem.q_lat, smem.k_lat, smem.k_rope, smem.ids
   idx_bar, free_bar, q_free_bar, landed = smem.idx_bar, smem.free_bar, smem.q_free_bar, smem.landed
-  bf16 = bf16_tile()
   if launch.tail_heads < HEAD_TILE:
     zero_query_rows(q_lat, smem.q_rope_smem)
   plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
@@ -92,7 +90,7 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
       issue_gather(
           tile_ids, cache_ref, k_lat.at[stage], k_rope.at[stage],
           tile_idx, smem.stage_idx.at[stage], landed.at[stage],
-          tile=TILE, transforms=bf16,
+          tile=TILE, swizzle=launch.kv_swizzle,
       )
     else:
       ring = lax.rem(j, IDX_STAGES)

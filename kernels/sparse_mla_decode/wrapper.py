@@ -135,6 +135,7 @@ def sparse_mla_decode(
         num_splits=config.num_splits,
         interpret=interpret,
         q_regs=config.q_regs,
+        kv_swizzle=config.kv_swizzle,
         stage_out=config.stage_out,
         cut_rows=cut.rows,
         pieces=cut.pieces,
@@ -186,12 +187,12 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
                      "pad_heads", "cut_rows", "pieces", "cluster_merge", "xla_combine",
-                     "parts", "f16_partials"),
+                     "parts", "f16_partials", "kv_swizzle"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
     pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
-    f16_partials=False,
+    f16_partials=False, kv_swizzle=64,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // HEAD_TILE) * HEAD_TILE
@@ -213,6 +214,7 @@ def _sparse_mla_decode(
       interpret=interpret,
       out_dtype=q.dtype,
       q_regs=q_regs,
+      kv_swizzle=kv_swizzle,
       stage_out=stage_out,
       q_heads=q_heads,
       cut_rows=cut_rows,
