@@ -62,7 +62,7 @@ def test_compiled_kernel_with_cluster_merge_lowers_for_hopper(select, heads, spl
   call = K.build_kernel(
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=splits,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
-      out_dtype=jnp.bfloat16, q_heads=heads, cluster_merge=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, cluster_merge=True, kv_swizzle=128,
   )
   text = _assert_lowers(call, batch, heads, topk, select)
   assert "barrier.cluster.arrive.release.aligned" in text
@@ -81,7 +81,7 @@ def test_compiled_kernel_with_rows_cut_in_halves_lowers_for_hopper(select, heads
     call = K.build_kernel(
         batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
         sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
-        out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, pieces=pieces,
+        out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, pieces=pieces, kv_swizzle=128,
     )
     _assert_lowers(call, batch, heads, topk, select)
 
@@ -97,7 +97,7 @@ def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select
   call = K.build_kernel(
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
-      out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, cluster_merge=True,
+      out_dtype=jnp.bfloat16, q_heads=heads, cut_rows=2, cluster_merge=True, kv_swizzle=128,
   )
   text = _assert_lowers(call, batch, heads, topk, select)
   assert "barrier.cluster.arrive.release.aligned" in text

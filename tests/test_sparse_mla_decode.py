@@ -63,21 +63,21 @@ def test_matches_reference(heads, mode, splits, dup, q_regs):
         # Two splits' float16 partials through the stages, the merge kernel;
         # an unpadded partial second head group.
         (96, "multiply", dict(num_splits=2)),
-        # The stream: a query per row segment, landing where P was (the
-        # fence at a segment's end), rows cut between parts.
+        # The stream: a query per row segment, rows cut between parts.
         (16, "select", dict(parts=3)),
     ],
 )
-def test_the_128_byte_swizzle_matches_reference_and_stays_nan_safe(heads, mode, schedule):
-  """`kv_swizzle=128`: the query and the rings in 64-column tiles, each
-  consumer's PV over a tile's whole P. The reference's result (the dead last
+def test_the_64_byte_swizzle_matches_reference_and_stays_nan_safe(heads, mode, schedule):
+  """`kv_swizzle=64` (the rest of the suite runs the default, 128): the query
+  and the rings in 32-column tiles, each consumer's PV over its own half of
+  a tile's P first, then the other's. The reference's result (the dead last
   row 0 and -inf); with NaN in slot 0 and in every slot no index selects,
   "select" bit-equal to clean memory and "multiply" NaN in exactly the rows
   where the reference is (those holding a -1; row 0 holds none)."""
   batch = 5 if "parts" in schedule else 3
   q, cache, idx = inputs(71 + heads, batch, heads, 128, invalid=0.2, dead_rows=(batch - 1,))
   idx = idx.at[0].set(jnp.where(idx[0] < 0, 1, idx[0]))
-  config = SparseMLADecodeConfig(kv_swizzle=128, **schedule)
+  config = SparseMLADecodeConfig(kv_swizzle=64, **schedule)
 
   def run(c, m, interpret=FAST):
     return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=m, interpret=interpret,

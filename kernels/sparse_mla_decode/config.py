@@ -114,8 +114,11 @@ class SparseMLADecodeConfig:
       in SMEM, as in dense decode (`MLADecodeConfig.kv_swizzle`; 64 or
       128): at 64, 32-column tiles, and each consumer multiplies its own
       half of a tile's P into its values beside the other's softmax; at
-      128, 64-column tiles, which the gather fills just as fast, and each
-      consumer's PV takes the whole P of a tile at once.
+      128, 64-column tiles, and each consumer's PV takes the whole P of a
+      tile at once. 128 was never slower on an H100 (top-k 2048, 2026-12-06,
+      17 shapes, both modes: 0.93-1.00 of 64's time; 83 x 128 heads 117.2 ->
+      113.3 µs, 128 x 64 115.6 -> 110.9, 128 x 16 110.3 -> 106.8, 4 x 128
+      17.1 -> 16.0; NOTES.md).
   """
 
   num_splits: int = 1
@@ -128,7 +131,7 @@ class SparseMLADecodeConfig:
   combine: str = "kernel"
   parts: int | None = None
   f16_partials: bool = True
-  kv_swizzle: int = 64
+  kv_swizzle: int = 128
 
   def __post_init__(self):
     value = self.num_splits

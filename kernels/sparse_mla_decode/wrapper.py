@@ -192,7 +192,7 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
     pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
-    f16_partials=False, kv_swizzle=64,
+    f16_partials=False, kv_swizzle=128,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // HEAD_TILE) * HEAD_TILE
