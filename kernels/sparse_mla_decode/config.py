@@ -51,7 +51,7 @@ class SparseMLADecodeConfig:
       2026-12-01: 128 heads 165.1 -> 160.8 µs, 64 heads 94.6 -> 91.6, 64 x 64
       flat; 192 spills and is 6-21% slower; NOTES.md).
     stage_out: with one split and a bf16 result, the result goes out through
-      SMEM by TMA (whole 64-byte rows) instead of from registers: 4-6% faster
+      SMEM by TMA (whole rows) instead of from registers: 4-6% faster
       on the H200 at batch 128 (topk 2048, 2026-12-02: 128 heads 160.0 ->
       151.6 µs, 64 heads 91.9 -> 88.0; NOTES.md). The same for the bf16
       result of a merge in clusters (`cluster_merge`), each CTA's piece of

@@ -36,12 +36,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
 
+from jaxkv.kernels.mla_decode.config import KV_SWIZZLES
 from jaxkv.kernels.mla_decode.layout import bf16_tile
 
 HEAD_DIM = 576
 LATENT = 512
 HALF = 256  # channels per latent half buffer
-SWIZZLES = (64, 128)  # the operand layouts the gather writes (bytes per tile row)
 PIECE = 16  # bytes per cp.async
 SPAN = 128  # bytes of a row that one pass of 8 threads copies
 LANES_PER_ROW = 8  # threads per 128-byte span of a row
@@ -111,7 +111,7 @@ def _from_scalars(values, tile: int):
 
 
 def issue_gather(
-    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *, tile: int, swizzle: int = 64,
+    ids, cache, k_lat, k_rope, idx_src, idx_dst, bar, *, tile: int, swizzle: int,
 ) -> None:
   """Starts copying rows `cache[ids[r]]` into `k_lat`/`k_rope` row r, and `idx_src`
   into `idx_dst`; `bar` completes its phase when all of them landed.
@@ -138,7 +138,7 @@ def issue_gather(
       module's docstring).
   """
   assert tile % ROWS_PER_PASS == 0
-  assert swizzle in SWIZZLES
+  assert swizzle in KV_SWIZZLES
   transforms = bf16_tile(swizzle)
   cols = swizzle // 2  # columns per operand tile
   tile_bytes = 8 * swizzle  # one [8, cols] bf16 tile

@@ -27,8 +27,9 @@ Warpgroups 0 and 1 consume each tile as the dense kernel does
 (`mla_decode.kernel`): scores by slots (warpgroup w computes S_w = Q K^T for
 slots [32w, 32w + 32), 576 deep), values by channels (warpgroup w accumulates
 O[:, 256w:256w+256] over all 64 slots), the halves met in the "seesaw" order
-(`mla_decode.seesaw.seesaw_tile`: warpgroup 0's maximum is handed on, each
-multiplies its own P at once and the other's when it arrives).
+(`mla_decode.seesaw.seesaw_tile`: warpgroup 0's maximum is handed on; under
+the 64-byte swizzle each multiplies its own P at once and the other's when it
+arrives, under the 128-byte one, the default, the whole P once both are out).
 
 Masking. Any slot of any tile can be invalid (-1, or any id outside the
 cache: never clamped onto some other slot), so every tile is masked: each
@@ -142,7 +143,7 @@ def build_kernel(
   `stage_out`: with one split and a bf16 result, each consumer writes its
   half of the result into its value half of the last tile's stage (free by
   then: both QKs and its own PV read it before) and stores it by TMA, in
-  whole 64-byte rows, instead of from registers (two bf16 per thread and
+  whole rows, instead of from registers (two bf16 per thread and
   row: 16 of a 32-byte sector per warp store). With `cluster_merge` and a
   bf16 result, the merged pieces go out the same way, through a buffer in
   the KV ring's bytes (a `RefUnion`: the ring is dead after the cluster's
