@@ -274,6 +274,17 @@ def test_the_h100_halves_the_heuristics_splits_where_its_run_said(monkeypatch):
   assert default_config(batch=2, num_heads=128, topk=512).num_splits == 8
 
 
+@pytest.mark.parametrize("kind", [H100, ("NVIDIA H200", "9.0"), ("NVIDIA GH200 480GB", "9.0")])
+def test_every_hopper_runs_the_128_byte_swizzle(monkeypatch, kind):
+  """`kv_swizzle` 128 (NOTES.md, "The 128-byte swizzle in sparse decode"): the
+  tuned entries name no swizzle, so every config of both files, and the
+  heuristic's on a Hopper without a file, takes it."""
+  as_first_device(monkeypatch, gpu(*kind, core_count=132))
+  for batch in (1, 2, 3, 4, 8, 16, 32, 64, 83, 128, 300):
+    for heads in (16, 32, 64, 128):
+      assert default_config(batch=batch, num_heads=heads, topk=2048).kv_swizzle == 128
+
+
 def test_wave_plan_counts_the_devices_sms(request):
   """The automatic cut and the heuristic split count take the device's
   multiprocessors: 60 x 128 heads (120 CTAs) is one wave of an H200's 132
