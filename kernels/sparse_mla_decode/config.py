@@ -115,10 +115,10 @@ class SparseMLADecodeConfig:
       128): at 64, 32-column tiles, and each consumer multiplies its own
       half of a tile's P into its values beside the other's softmax; at
       128, 64-column tiles, and each consumer's PV takes the whole P of a
-      tile at once. 128 was never slower on an H100 (top-k 2048, 2026-12-06,
-      17 shapes, both modes: 0.93-1.00 of 64's time; 83 x 128 heads 117.2 ->
-      113.3 µs, 128 x 64 115.6 -> 110.9, 128 x 16 110.3 -> 106.8, 4 x 128
-      17.1 -> 16.0; NOTES.md).
+      tile at once. 128 was never slower on an H100 past the spread (top-k
+      2048, 2026-12-06, 21 shapes: 0.93-1.00 of 64's time, 90 x 128 level;
+      83 x 128 heads 117.2 -> 113.3 µs, 128 x 64 115.6 -> 110.9, 128 x 16
+      110.3 -> 106.8, 4 x 128 17.1 -> 16.0; NOTES.md).
   """
 
   num_splits: int = 1
