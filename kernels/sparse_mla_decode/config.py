@@ -118,7 +118,8 @@ class SparseMLADecodeConfig:
       tile at once. 128 was never slower on an H100 past the spread (top-k
       2048, 2026-12-06, 21 shapes: 0.93-1.00 of 64's time, 90 x 128 level;
       83 x 128 heads 117.2 -> 113.3 µs, 128 x 64 115.6 -> 110.9, 128 x 16
-      110.3 -> 106.8, 4 x 128 17.1 -> 16.0; NOTES.md).
+      110.3 -> 106.8, 4 x 128 17.1 -> 16.0), nor on the H200 (83 x 128
+      108.9 -> 107.8, 128 x 64 84.0 -> 81.9, 128 x 128 level; NOTES.md).
   """
 
   num_splits: int = 1
