@@ -29,12 +29,11 @@ from .seesaw import (
     region_scope,
     seesaw_begin,
     seesaw_end,
-    seesaw_pv,
-    seesaw_pv_whole,
     seesaw_row_sums,
     seesaw_tile,
     softmax_finish,
     softmax_start,
+    tile_pv,
     tile_scores,
 )
 
@@ -97,16 +96,8 @@ def consume(wg: int, launch: Launch, cta: Part, smem: Smem, o_ref, lse_ref, scal
     else:
       s = s * launch.scale_log2
       clean = False
-    if launch.whole_pv:
-      pv = functools.partial(
-          seesaw_pv_whole, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
-          compiled=compiled,
-      )
-    else:
-      pv = functools.partial(
-          seesaw_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
-          p_scratch=smem.p_scratch,
-      )
+    pv = tile_pv(whole=launch.whole_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
+                 p_scratch=smem.p_scratch, compiled=compiled)
     acc, m_new, l_i = seesaw_tile(
         wg, s, (acc, m_i, l_i), pv=pv, xchg=xchg, p_smem=p_smem, bars=bars,
         clean=functools.partial(clean_values, slot, n_keep) if clean else None,

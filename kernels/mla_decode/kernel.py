@@ -76,7 +76,7 @@ from .layout import (
     split_outputs,
 )
 from .producer import produce
-from .seesaw import seesaw_barriers, seesaw_p_scratch, seesaw_scratch
+from .seesaw import fences_every_p, seesaw_barriers, seesaw_p_scratch, seesaw_scratch
 
 BLOCK_SIZES = (32, 64, 128)  # cache block sizes the kernel reads
 # Named regions of the in-kernel profile (see `build_kernel(profile_dir=)`).
@@ -213,7 +213,8 @@ def build_kernel(
   whole_pv = kv_swizzle == 128
   # P travels to a wgmma's SMEM operand (the async proxy) unless compiled
   # under the 128-byte swizzle (`p_fence` above).
-  fence_all = (not whole_pv or interpret is not None) if p_fence is None else p_fence
+  fence_all = (fences_every_p(whole=whole_pv, compiled=interpret is None) if p_fence is None
+               else p_fence)
   # TMA copies per tile: (a latent half, a latent half, RoPE) per block piece.
   pieces = max(TILE // block_size, 1)
   dtype = jnp.bfloat16

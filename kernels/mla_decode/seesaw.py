@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,27 @@ def seesaw_pv_whole(acc, *, k_lat, slot, wg, p_smem, p_own, compiled: bool):
     return o_acc_ref[...]
 
   return acc + pl.run_scoped(pv_fresh, plgpu.ACC((HEAD_TILE, HALF), jnp.float32))
+
+
+def tile_pv(*, whole: bool, k_lat, slot, wg, p_smem, p_scratch, compiled: bool):
+  """`seesaw_tile`'s `pv` for a tile in KV stage `slot`: `seesaw_pv_whole`
+  under the 128-byte swizzle (`whole`), else `seesaw_pv`, bound to the
+  tile's stage and this warpgroup (both decode kernels)."""
+  if whole:
+    return functools.partial(seesaw_pv_whole, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
+                             compiled=compiled)
+  return functools.partial(seesaw_pv, k_lat=k_lat, slot=slot, wg=wg, p_smem=p_smem,
+                           p_scratch=p_scratch)
+
+
+def fences_every_p(*, whole: bool, compiled: bool) -> bool:
+  """Whether each tile's P hand-off must be fenced toward the async proxy
+  (`seesaw_tile(fence=)`): where the other warpgroup's wgmma reads it from
+  SMEM (the 64-byte swizzle) and in the interpreter. Compiled under the
+  128-byte swizzle the other loads it with plain loads, which the seesaw's
+  barriers order; there only what a TMA writes into P's tile next (a
+  segment's RoPE query) needs a fence, which the kernels place themselves."""
+  return not whole or not compiled
 
 
 def region_scope(on: bool):

@@ -21,15 +21,15 @@ from jaxkv.kernels.mla_decode.layout import (
     store_head_rows,
 )
 from jaxkv.kernels.mla_decode.seesaw import (
+    fences_every_p,
     query_head,
     seesaw_begin,
     seesaw_end,
-    seesaw_pv,
-    seesaw_pv_whole,
     seesaw_row_sums,
     seesaw_tile,
     softmax_finish,
     softmax_start,
+    tile_pv,
     tile_scores,
 )
 from jaxkv.kernels.sparse_mla_decode.cluster import merge_row
@@ -59,7 +59,8 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   slots = pl.ds(wg * SLOT_HALF, SLOT_HALF)  # the slots whose scores are ours
   bars = smem.bars
-  p_fence = not (launch.whole_pv and compiled)  # P fenced toward the async proxy per tile
+  # P fenced toward the async proxy per tile (else once a stream's segment ends, below).
+  p_fence = fences_every_p(whole=launch.whole_pv, compiled=compiled)
 
   def tiles(n, steps, hold=None):
     """A segment's n tiles, the CTA's tiles `steps` on: (acc, m, l_own).
@@ -98,18 +99,8 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
     s = jnp.where(valid, s * launch.scale_log2, -jnp.inf)
     # m starts at a finite floor below any score, so a row with no
     # valid index so far gets p = exp2(-inf - floor) = 0, never NaN.
-    if launch.whole_pv:
-      pv = functools.partial(
-          seesaw_pv_whole, k_lat=k_lat, slot=stage, wg=wg, p_smem=smem.p_smem,
-          compiled=compiled)
-    else:
-      pv = functools.partial(
-          seesaw_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=smem.p_smem,
-          p_scratch=smem.p_scratch)
-    # The other warpgroup's wgmma reads our P half from SMEM (the async
-    # proxy) under the 64-byte swizzle and in the interpreter; compiled
-    # under 128 it loads it with plain loads, which the seesaw's barriers
-    # order (the stream fences once a segment ends, below).
+    pv = tile_pv(whole=launch.whole_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=smem.p_smem,
+                 p_scratch=smem.p_scratch, compiled=compiled)
     carry = seesaw_tile(wg, s, carry, pv=pv, xchg=xchg, p_smem=smem.p_smem, bars=bars,
                         whole_pv=launch.whole_pv, fence=p_fence)
     if hold is None:
