@@ -35,7 +35,9 @@ kernel or XLA's combine), compares the two results likewise, and runs the NaN
 check with each. `--parts` times each one-split variant with
 `SparseMLADecodeConfig.parts` set to each value: "auto" (the plan's choice),
 "off" (0: no stream schedule) or N parts per head group ("sms": the
-device's SMs over the head groups); a stream's result is compared with the
+device's SMs over the head groups), each with the suffix "/plain" for
+`SparseMLADecodeConfig.stream_whole=False` (every row's tiles laid end to
+end; with "auto", the plan's choice under it); a stream's result is compared with the
 first variant's (within a bf16 rounding, NaN in the same places), and the NaN
 and outside-the-cache checks also run with the rows streamed in 6 parts.
 `--f16-partials` times each variant whose partials a merge after the kernel
@@ -98,15 +100,17 @@ def _time_parts(fn, *args) -> tuple[float, float]:
 
 
 
-def _parts(value: str, heads: int) -> int | None:
-  """`--parts`' value: None (the plan's), 0 (off) or a count of parts."""
+def _parts(value: str, heads: int) -> tuple[int | None, bool]:
+  """`--parts`' value: (None (the plan's), 0 (off) or a count of parts;
+  `SparseMLADecodeConfig.stream_whole`, False with the suffix "/plain")."""
+  value, plain = value.removesuffix("/plain"), value.endswith("/plain")
   if value == "auto":
-    return None
+    return None, not plain
   if value == "off":
-    return 0
+    return 0, not plain
   if value == "sms":
-    return num_sms() // -(-heads // 64)
-  return int(value)
+    return num_sms() // -(-heads // 64), not plain
+  return int(value), not plain
 
 
 def main(argv=None) -> int:
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
     in_clusters = merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)
     if args.combine and (cfg.num_splits > 1 or cut.rows) and not in_clusters:
       combines = args.combine
-    parts = [None]
+    parts = [(None, cfg.stream_whole)]
     if cfg.num_splits == 1 and cfg.cut_rows is None and cfg.cluster_merge is None:
       parts = [_parts(v, heads) for v in args.parts]
     f16s = [cfg.f16_partials] if args.f16_partials is None else [
@@ -202,8 +206,9 @@ def main(argv=None) -> int:
     outs = {}
     for mode, qr, so, ph, cm, cb, pt, fp in variants:
       vcfg = dataclasses.replace(cfg, q_regs=qr[0], kv_swizzle=qr[1], stage_out=so,
-                                 cluster_merge=cm, combine=cb, parts=pt, f16_partials=fp)
-      if pt and pt > batch:
+                                 cluster_merge=cm, combine=cb, parts=pt[0], stream_whole=pt[1],
+                                 f16_partials=fp)
+      if pt[0] and pt[0] > batch:
         continue
       if fp != f16s[0] and (ph or not merged_after(vcfg, batch, heads, topk)):
         continue  # no partials for a merge after the kernel: the same call
@@ -234,6 +239,12 @@ def main(argv=None) -> int:
                              outs[mode, qr, so, ph, cm, cb])
         print(f"b{batch} h{heads} {mode} parts {pt} and {parts[0]}: results agree: {close}",
               flush=True)
+        if not close:  # each against the reference, where it differs most
+          want = (np.asarray(ref_out, np.float32), np.asarray(ref_lse))
+          for name, got in (("this", outs[mode, qr, so, ph, cm, cb, pt, fp]),
+                            ("first", outs[mode, qr, so, ph, cm, cb])):
+            print(f"  {name} against the reference:", flush=True)
+            same_result(got, want)
         good &= close
         cut_pt = rows_to_cut(vcfg, batch=batch, num_heads=heads, topk=topk)
         print(f"b{batch} h{heads} parts {pt}: {cut_pt}", flush=True)
@@ -270,7 +281,7 @@ def main(argv=None) -> int:
                    f"{'/so' if so else ''}{'/pad' if ph else ''}"
                    f"{'' if cm is None else '/cm' if cm else '/xc'}"
                    f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}"
-                   f"{'' if len(parts) == 1 else f'/p{pt}'}"
+                   f"{'' if len(parts) == 1 else f'/p{pt[0]}' + ('' if pt[1] else 'plain')}"
                    f"{'/f16p' if fp and len(f16s) > 1 else ''}", t * 1e6,
                    t_kernel * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,

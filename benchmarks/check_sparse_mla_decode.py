@@ -54,11 +54,19 @@ def same_result(a, b) -> bool:
   out within one bf16 rounding of each other (2^-7 relative, or 1e-3 of its
   largest value), lse within 1e-5."""
   (oa, la), (ob, lb) = a, b
-  if not ((np.isnan(oa) == np.isnan(ob)).all() and (np.isnan(la) == np.isnan(lb)).all()):
-    return False
+  nan_o, nan_l = (np.isnan(oa) != np.isnan(ob)).sum(), (np.isnan(la) != np.isnan(lb)).sum()
   scale = float(np.nanmax(np.abs(ob), initial=0.0))
-  return (np.allclose(oa, ob, rtol=2**-7, atol=1e-3 * scale, equal_nan=True)
+  same = (not nan_o and not nan_l
+          and np.allclose(oa, ob, rtol=2**-7, atol=1e-3 * scale, equal_nan=True)
           and np.allclose(la, lb, rtol=1e-5, atol=1e-5, equal_nan=True))
+  if not same:  # where they differ most, for the log
+    do, dl = np.nan_to_num(np.abs(oa - ob)), np.nan_to_num(np.abs(la - lb))
+    io, il = np.unravel_index(do.argmax(), do.shape), np.unravel_index(dl.argmax(), dl.shape)
+    print(f"  differ: NaN in different places {nan_o} (out) {nan_l} (lse); out most at"
+          f" {tuple(map(int, io))}: {oa[io]} vs {ob[io]} (scale {scale:.3g}); lse most at"
+          f" {tuple(map(int, il))}: {la[il]} vs {lb[il]}; rows past tolerance"
+          f" {sorted(set(np.argwhere(~np.isclose(oa, ob, rtol=2**-7, atol=1e-3 * scale, equal_nan=True))[:, 0].tolist()))[:20]}")
+  return same
 
 
 def merged_after(config, batch, heads, topk) -> bool:
@@ -93,10 +101,12 @@ def _swizzled(config, kv_swizzle):
 
 def check_variants(args, cut_rows):
   """The checks' base config (16 rows, 64 heads, the bench's `--splits`,
-  `--cut-rows` and `--pieces`), the stream's parts they also run with ([6]
-  where `--parts` asks for a count) and the `f16_partials` values they run."""
+  `--cut-rows` and `--pieces`), the streams they also run with (6 parts,
+  whole rows first and not, where `--parts` asks for a count: `(parts,
+  stream_whole)` pairs) and the `f16_partials` values they run."""
   base = pallas_config(args.splits, 16, 64, cut_rows=cut_rows, pieces=args.pieces)
-  streams = [6] if any(v not in ("auto", "off") for v in args.parts) else []
+  asked = {v.removesuffix("/plain") for v in args.parts}
+  streams = [(6, True), (6, False)] if asked - {"auto", "off"} else []
   f16_checks = [bool(v) for v in args.f16_partials or [base.f16_partials]]
   return base, streams, f16_checks
 
@@ -108,7 +118,7 @@ def check_nan_poisoning(args, cut_rows, kv_swizzle=None) -> bool:
   # NaN in slot 0 and in rows no index selects: "select" stays clean,
   # "multiply" turns exactly the rows holding a -1 into NaN.
   q, cache, idx = inputs(16, 64, 0.0, seed=1)
-  idx = idx.at[1:8, 7].set(-1)
+  idx = idx.at[1:8, 7].set(-1).at[13, 7].set(-1)
   used = jnp.zeros(NUM_BLOCKS * BLOCK_SIZE, bool).at[jnp.maximum(idx, 0)].set(True)
   rows_flat = cache.reshape(-1, 576)
   poisoned = jnp.where(used.at[0].set(False)[:, None], rows_flat, jnp.nan).reshape(cache.shape)
@@ -118,10 +128,12 @@ def check_nan_poisoning(args, cut_rows, kv_swizzle=None) -> bool:
   checks += [(base.q_regs, so, bool(cm), halves, base.combine, None)
              for cm in args.cluster_merge or []
              for so, halves in ((False, False), (True, False), (True, True))]
-  # With a stream asked for, the 16 rows also in 6 parts (rows 2 and 5, with
-  # -1s, among those cut: at tiles 85 and 170 of 32-tile rows), by each merge.
-  checks += [(base.q_regs, base.stage_out, None, False, cb, 6) for cb in
-             (args.combine or [base.combine]) for _ in streams]
+  # With a stream asked for, the 16 rows also in 6 parts, by each merge: laid
+  # end to end, rows 2, 5 and 13, with -1s, among those cut (at tiles 85, 170
+  # and 426 of 32-tile rows); whole rows first (rows 0-11 whole), row 13 cut
+  # in two, its -1 in its first piece.
+  checks += [(base.q_regs, base.stage_out, None, False, cb, st) for cb in
+             (args.combine or [base.combine]) for st in streams]
   checks = [(*c, fp) for c in checks for fp in f16_checks]
   for qr, so, cm, halves, cb, pt, fp in checks:
     # (A staged result needs one split: the check then runs with one; a merge
@@ -135,7 +147,8 @@ def check_nan_poisoning(args, cut_rows, kv_swizzle=None) -> bool:
     if cut_rows and cfg.num_splits == 1 and not halves:  # rows 6-7 (with -1s) among those cut at 10
       cfg = dataclasses.replace(cfg, cut_rows=min(cut_rows, 16), pieces=args.pieces)
     if pt:
-      cfg = dataclasses.replace(cfg, num_splits=1, cut_rows=None, pieces=None, parts=pt)
+      cfg = dataclasses.replace(cfg, num_splits=1, cut_rows=None, pieces=None, parts=pt[0],
+                                stream_whole=pt[1])
     cfg = _swizzled(dataclasses.replace(cfg, f16_partials=fp), kv_swizzle)
     if fp != f16_checks[0] and not merged_after(cfg, 16, 64, TOPK):
       continue  # the same call as with the first value
@@ -145,13 +158,13 @@ def check_nan_poisoning(args, cut_rows, kv_swizzle=None) -> bool:
     mul, _ = f(poisoned, "multiply")
     nan_rows = np.isnan(np.asarray(mul, np.float32)).any(axis=(1, 2))
     nan_ok = bool((np.asarray(sel) == np.asarray(clean)).all()) and nan_rows.tolist() == [
-        False] + [True] * 7 + [False] * 8
+        False] + [True] * 7 + [False] * 5 + [True] + [False] * 2
     ok &= nan_ok
     print(f"NaN poisoning (q_regs {qr}, kv_swizzle {cfg.kv_swizzle}, stage_out {so},"
           f" cut_rows {cfg.cut_rows},"
           f" pieces {cfg.pieces}, combine {cfg.combine},"
           f" {cfg.num_splits} splits, cluster_merge {cfg.cluster_merge}, parts {cfg.parts},"
-          f" f16_partials {cfg.f16_partials}):"
+          f" stream_whole {cfg.stream_whole}, f16_partials {cfg.f16_partials}):"
           f" select"
           f" bit-equal to clean and"
           f" multiply NaN rows as expected: {nan_ok}")
@@ -175,7 +188,7 @@ def check_ids_outside_the_cache(args, cut_rows, kv_swizzle=None) -> bool:
   # (With `--cut-rows N`, one split, so that the rows are cut.)
   cfg = pallas_config(args.splits or (1 if cut_rows else 0), 16, 64, cut_rows=cut_rows,
                        pieces=args.pieces)
-  cfgs = [cfg] + [SparseMLADecodeConfig(parts=pt) for pt in streams]
+  cfgs = [cfg] + [SparseMLADecodeConfig(parts=pt, stream_whole=sw) for pt, sw in streams]
   cfgs = [_swizzled(dataclasses.replace(c, f16_partials=fp), kv_swizzle)
           for c in cfgs for fp in f16_checks
           if fp == f16_checks[0] or merged_after(c, 16, 64, TOPK)]
@@ -187,14 +200,16 @@ def check_ids_outside_the_cache(args, cut_rows, kv_swizzle=None) -> bool:
       ok &= same
       print(f"ids outside the cache ({mode}, kv_swizzle {cfg.kv_swizzle},"
             f" {cfg.num_splits} splits, cut_rows {cfg.cut_rows},"
-            f" pieces {cfg.pieces}, parts {cfg.parts}, f16_partials {cfg.f16_partials}):"
+            f" pieces {cfg.pieces}, parts {cfg.parts}, stream_whole {cfg.stream_whole},"
+            f" f16_partials {cfg.f16_partials}):"
             f" bit-equal to -1: {same}")
   return ok
 
 
 def check_stale_stage_rows(args, cut_rows, kv_swizzle=None) -> bool:
-  """Stale stage rows and NaN data in 6 parts, in every mode and `f16_partials`
-  value the bench's arguments name (under `kv_swizzle` where given)."""
+  """Stale stage rows and NaN data in 6 parts (whole rows first and not), in
+  every mode and `f16_partials` value the bench's arguments name (under
+  `kv_swizzle` where given)."""
   ok = True
   _, _, f16_checks = check_variants(args, cut_rows)
   # A -1's stage row is zero-filled, never what an earlier tile left there:
@@ -203,19 +218,21 @@ def check_stale_stage_rows(args, cut_rows, kv_swizzle=None) -> bool:
   # to the other stage) and rows 1-15 have a -1 there in every tile; they
   # must be the reference's. NaN in data a row reads as valid is data: row 0
   # (a whole row) comes out NaN at every head, out and LSE, and so does head 5
-  # of row 2 (cut at tile 85 into two pieces, merged), whose query holds a NaN.
+  # of rows 2 and 13, whose query holds a NaN (cut in two and merged: laid
+  # end to end, row 2 at tile 85 and row 13 at 426; whole rows first, row 13).
   q, cache, idx = inputs(16, 64, 0.0, seed=3)
-  q = q.at[2, 5, 100].set(jnp.nan)
+  q = q.at[2, 5, 100].set(jnp.nan).at[13, 5, 100].set(jnp.nan)
   nan_slot = int(idx[0, TOPK - 128 + 5])
   rest = jnp.where(idx[1:] == nan_slot, 1 + nan_slot % 7, idx[1:]).at[:, 5::64].set(-1)
   idx = idx.at[1:].set(rest)
   cache = cache.reshape(-1, 576).at[nan_slot].set(jnp.nan).reshape(cache.shape)
   want_nan = np.zeros((16, 64), bool)
-  want_nan[0], want_nan[2, 5] = True, True
+  want_nan[0], want_nan[2, 5], want_nan[13, 5] = True, True, True
   nan_heads = lambda x: np.isnan(np.asarray(x, np.float32)).reshape(16, 64, -1)
-  for fp in f16_checks:
+  for fp, whole in ((fp, whole) for fp in f16_checks for whole in (True, False)):
     for mode in args.modes:
-      cfg = _swizzled(SparseMLADecodeConfig(parts=6, f16_partials=fp), kv_swizzle)
+      cfg = _swizzled(SparseMLADecodeConfig(parts=6, f16_partials=fp, stream_whole=whole),
+                      kv_swizzle)
       out, lse = jax.block_until_ready(
           sparse_mla_decode(q, cache, idx, sm_scale=SCALE, mask_mode=mode, config=cfg))
       ref_out, ref_lse = sparse_mla_decode_reference(q, cache, idx, sm_scale=SCALE,
@@ -226,7 +243,7 @@ def check_stale_stage_rows(args, cut_rows, kv_swizzle=None) -> bool:
       nans = all((nan_heads(x).all(-1) == want_nan).all() and (nan_heads(x).any(-1) == want_nan).all()
                  for x in (out, lse, ref_out, ref_lse))
       ok &= clean and nans
-      print(f"stale stage rows ({mode}, kv_swizzle {cfg.kv_swizzle}, parts 6, f16_partials"
-            f" {fp}): the other heads the"
-            f" reference's: {clean}; NaN data NaN at exactly row 0 and row 2's head 5: {nans}")
+      print(f"stale stage rows ({mode}, kv_swizzle {cfg.kv_swizzle}, parts 6, stream_whole"
+            f" {whole}, f16_partials {fp}): the other heads the reference's: {clean}; NaN data"
+            f" NaN at exactly row 0 and rows 2 and 13's head 5: {nans}")
   return ok

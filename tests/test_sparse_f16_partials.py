@@ -19,7 +19,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
-from jaxkv.kernels.sparse_mla_decode.stream import boundary_rows
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 from mla_problem import scaled_half_spec, unscaled_spec
 from sparse_problem import (
@@ -46,9 +46,10 @@ def varied(cache, seed):
 
 
 # (heads, select, kernel arguments): the stream's 5 rows of 2 tiles in 3
-# parts; two rows cut in halves of one and two tiles; two rows of two splits.
+# parts, a whole row each first; two rows cut in halves of one and two
+# tiles; two rows of two splits.
 LAYOUTS = {
-    "stream": (16, True, dict(batch=5, topk=128, parts=3)),
+    "stream": (16, True, dict(batch=5, topk=128, parts=3, stream_whole=1)),
     "pieces": (64, False, dict(batch=3, topk=192, cut_rows=2, pieces=2)),
     "splits": (96, True, dict(batch=2, topk=128, num_splits=2)),
 }
@@ -91,9 +92,10 @@ def test_kernel_partials_are_its_float32_ones_scaled_and_rounded(layout):
     (out32, res_lse32, o32, lse32), (out16, res_lse16, bits, lse16, scale) = f32, f16
     written = [(r, p) for r in range(2) for p in range(2)]
     whole = [0]
-    if layout == "stream":  # boundary 1 cuts row 1; boundary 2 is row 3's start
-      assert boundary_rows(batch=batch, tiles=2, parts=3) == [(1, True), (3, False)]
-      written, whole = [(0, 0), (0, 1)], [0, 2, 3, 4]
+    if layout == "stream":  # rows 0-2 whole, leftover row 3 in two pieces, row 4 whole
+      stream = Stream(batch, 2, 3, 1)
+      assert [stream.row_pieces(i) for i in range(2)] == [2, 1]
+      written, whole = [(0, 0), (0, 1)], [0, 1, 2, 4]
     np.testing.assert_array_equal(out16[whole], out32[whole])
     np.testing.assert_array_equal(res_lse16[whole], res_lse32[whole])
   assert bits.dtype == jnp.bfloat16 and scale.shape == (*o32.shape[:2], 2, hp)

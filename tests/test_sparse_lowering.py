@@ -104,12 +104,15 @@ def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select
   assert "gpu.cluster_block_id" in text
 
 
-@pytest.mark.parametrize("select, heads, kv_swizzle", [(True, 128, 64), (False, 16, 64),
-                                                     (True, 128, 128)])
-def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, heads, kv_swizzle):
-  """`parts` on the compiled path: a loop over a part's row segments, the
-  query reloaded per segment, the result, and both pieces' partial stores in
-  one body (under the 128-byte swizzle, with the fence at a segment's end)."""
+@pytest.mark.parametrize("select, heads, kv_swizzle, whole", [
+    (True, 128, 64, 0), (False, 16, 64, 0), (True, 128, 128, 0), (False, 128, 128, 1),
+    (True, 64, 128, 1)])
+def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, heads, kv_swizzle,
+                                                                    whole):
+  """`parts` on the compiled path: loops over a part's row segments (with
+  `stream_whole`, its whole rows' loop, then its leftover run's), the query
+  reloaded per segment, the result, and the pieces' partial stores in one
+  body (under the 128-byte swizzle, with the fence at a segment's end)."""
   from jaxkv.kernels.sparse_mla_decode import kernel as K
 
   batch, topk = 5, 128
@@ -117,6 +120,6 @@ def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, head
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
       out_dtype=jnp.bfloat16, q_heads=heads, parts=3, kv_swizzle=kv_swizzle,
-      f16_partials=kv_swizzle == 128,
+      f16_partials=kv_swizzle == 128, stream_whole=whole,
   )
   _assert_lowers(call, batch, heads, topk, select)

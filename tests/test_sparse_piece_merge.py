@@ -12,6 +12,7 @@ from jaxkv.kernels.sparse_mla_decode.piece_merge import (
     build_piece_merge,
     merge_cols,
 )
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
 # Without the race detector: for many pieces, whose copies and barriers are
@@ -136,38 +137,71 @@ def test_lowers_for_hopper(first_row):
 
 
 @pytest.mark.parametrize("select, q_heads", [(True, None), (False, 16)])
-def test_stream_boundaries_merge_into_the_rows_they_cut(select, q_heads):
-  """With `stream`, partial r is the row cut at boundary r + 1 of the stream
-  schedule: 4 rows of 3 tiles in 3 parts (boundaries at tiles 4 and 8: rows
-  1 and 2 cut) and 3 rows of 4 tiles in 3 parts (boundaries at tiles 4 and 8,
-  between rows: nothing merged). The cut rows get `combine_splits` of their
-  two pieces; the other rows (random bytes) come back bit for bit. With
-  `q_heads`, only the real heads' partial rows are read (the others are
-  NaN) and only their result rows written."""
+def test_stream_pieces_merge_into_the_rows_they_cut(select, q_heads):
+  """With `stream`, row i of the pieces is leftover row i of the stream
+  schedule (`stream.Stream`), its first `row_pieces(i)` slots its pieces:
+  7 rows of 3 tiles in 5 parts, a whole row each first (leftover rows 5 and
+  6 in 3 and 2 pieces: row 6's third slot holds no piece, NaN here in its
+  tile and LSE); 5 rows of 2 tiles in 3 parts (leftover row 3 in 2 pieces,
+  row 4 in one run, written whole by the decode kernel: not merged); and the
+  plain stream, 4 rows of 5 tiles in 3 parts (rows 1 and 2 in two pieces, 0 and 3 whole). A cut
+  row gets `combine_splits` of its pieces; every other row (random bytes)
+  comes back bit for bit. With `q_heads`, only the real heads' partial rows
+  are read (the others are NaN) and only their result rows written."""
   hp = 64
   out_heads = hp
-  for batch, tiles, cut_rows in ((4, 3, (1, 2)), (3, 4, ())):
-    parts = 3
-    o, lse = _partials(5, parts - 1, 2, hp, select=select)
+  for stream in (Stream(7, 3, 5, 1), Stream(5, 2, 3, 1), Stream(4, 5, 3, 0)):
+    counts = [stream.row_pieces(i) for i in range(stream.left_rows)]
+    rows, pieces = max(stream.left_rows, 2), max(stream.max_pieces, 2)
+    o, lse = _partials(5, rows, pieces, hp, select=select)
+    absent = np.arange(pieces) >= np.array(counts + [0] * (rows - len(counts)))[:, None]
+    o = jnp.where(absent[:, :, None, None], jnp.nan, o)
+    lse = jnp.where(absent[:, :, None], jnp.nan, lse)
     if q_heads:
       o = o.at[:, :, q_heads:].set(jnp.nan)
       lse = lse.at[:, :, q_heads:].set(jnp.nan)
+    batch = stream.batch
     bits = jax.random.bits(jax.random.key(6), (batch, out_heads, 512), jnp.uint16)
     base = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
     base_lse = jax.random.normal(jax.random.key(7), (batch, out_heads), jnp.float32)
-    merge = build_piece_merge(rows=parts - 1, pieces=2, heads_padded=hp, out_heads=out_heads,
-                              out_dtype=jnp.bfloat16, select=select, interpret=INTERPRET,
-                              first_row=0, stream=(batch * tiles, parts, tiles),
-                              q_heads=q_heads)
-    out, out_lse = jax.jit(merge)(o, lse, base, base_lse)
+    merge = build_piece_merge(rows=stream.left_rows, pieces=pieces, heads_padded=hp,
+                              out_heads=out_heads, out_dtype=jnp.bfloat16, select=select,
+                              interpret=INTERPRET, first_row=stream.first_left_row,
+                              stream=stream, q_heads=q_heads)
+    out, out_lse = jax.jit(merge)(o[:stream.left_rows], lse[:stream.left_rows], base, base_lse)
     bits16 = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
     real = q_heads or out_heads
+    merged = 0
     for r in range(batch):
-      if r in cut_rows:
-        k = cut_rows.index(r)
-        _check(out[r:r + 1, :real], out_lse[r:r + 1, :real], o[k:k + 1], lse[k:k + 1], real,
-               select=select)
+      i = r - stream.first_left_row
+      if i >= 0 and counts[i] > 1:
+        merged += 1
+        n = counts[i]
+        _check(out[r:r + 1, :real], out_lse[r:r + 1, :real], o[i:i + 1, :n],
+               lse[i:i + 1, :n], real, select=select)
         np.testing.assert_array_equal(bits16(out[r, real:]), bits16(base[r, real:]))
       else:
         np.testing.assert_array_equal(bits16(out[r]), bits16(base[r]))
         np.testing.assert_array_equal(np.asarray(out_lse[r]), np.asarray(base_lse[r]))
+    assert merged == stream.cut_rows
+
+
+@pytest.mark.parametrize("select, q_heads", [(True, None), (False, 72)])
+def test_stream_merge_lowers_for_hopper(select, q_heads):
+  """The compiled merge of the stream's pieces (float16, with their scales;
+  rows of fewer pieces than the most) lowers for CUDA, in place: 83 rows x
+  128 heads in 66 parts, a whole row each first (17 leftover rows in 4-5
+  pieces); with 72 real heads, the short last head group's rows alone."""
+  s = Stream(83, 32, 66, 1)
+  hp = 128
+  out_heads = q_heads or hp
+  merge = build_piece_merge(rows=s.left_rows, pieces=s.max_pieces, heads_padded=hp,
+                            out_heads=out_heads, out_dtype=jnp.bfloat16, select=select,
+                            interpret=None, first_row=s.first_left_row, stream=s,
+                            q_heads=q_heads, scaled=True)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  args = [jax.ShapeDtypeStruct((s.left_rows, s.max_pieces, hp, 512), jnp.bfloat16),
+          f32(s.left_rows, s.max_pieces, hp), f32(s.left_rows, s.max_pieces, 2, hp),
+          jax.ShapeDtypeStruct((83, out_heads, 512), jnp.bfloat16), f32(83, out_heads)]
+  text = jax.jit(merge).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "output_operand_aliases" in text

@@ -149,9 +149,11 @@ def test_wave_plan():
     costs = [plan_cost(batch=batch, num_heads=heads, tiles=32, cut=c)
              for c in (cut, RowCut(0, 2), RowCut(batch - 132 // groups, 2),
                        RowCut(0, 2, 132 // groups))]
-    # (No cut where no cut was modelled `PLAN_MARGIN` slower.)
-    assert costs[0] <= min(costs[1:]) or (
-        cut == RowCut(0, 2) and min(costs[1:]) >= costs[0] * (1 - PLAN_MARGIN)), (batch, heads, costs)
+    # (No cut where no cut was modelled `PLAN_MARGIN` slower; no stream where
+    # the stream was modelled faster than a cut by less than that.)
+    assert costs[0] <= min(costs[1:3]) or (
+        cut == RowCut(0, 2) and min(costs[1:3]) >= costs[0] * (1 - PLAN_MARGIN)), (batch, heads, costs)
+    assert costs[0] <= costs[3] or (not cut.parts and costs[3] >= costs[0] * (1 - PLAN_MARGIN) - 1e-9)
   assert plan(200, 16) == RowCut(0, 2)  # a cut modelled within the margin of no cut
 
 

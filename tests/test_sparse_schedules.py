@@ -161,30 +161,37 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
 
 
 @pytest.mark.parametrize(
-    "heads, mode, batch, tiles, parts, combine",
-    [(64, "select", 5, 2, 3, "kernel"), (128, "multiply", 5, 2, 3, "kernel"),
-     (16, "select", 6, 2, 4, "xla"), (64, "multiply", 4, 2, 2, "kernel")],
+    "heads, mode, batch, tiles, parts, combine, whole",
+    [(64, "select", 5, 2, 3, "kernel", False), (128, "multiply", 5, 2, 3, "kernel", True),
+     (16, "select", 6, 2, 4, "xla", False), (64, "multiply", 4, 2, 2, "kernel", False),
+     (64, "select", 7, 3, 5, "kernel", True), (16, "select", 7, 3, 5, "xla", True),
+     (64, "select", 4, 2, 3, "kernel", True), (128, "select", 6, 2, 3, "kernel", True)],
 )
-def test_stream_schedule(heads, mode, batch, tiles, parts, combine):
-  """`parts`: equal runs of the batch's tiles per CTA, rows cut between runs
-  merged after the kernel. 5 rows of 2 tiles in 3 parts (tiles 0-2, 3-5,
+def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole):
+  """`parts`: equal shares of the batch's tiles per CTA, rows cut between
+  runs merged after the kernel (`stream.Stream`). Laid end to end
+  (`stream_whole=False`): 5 rows of 2 tiles in 3 parts (tiles 0-2, 3-5,
   6-9): rows 1 and 2 cut, part 1 three segments (a row's second tile, a
   whole row, a row's first tile); 6 rows in 4 parts (rows 1 and 4 cut); 4
-  rows in 2 parts (the boundary between rows 1 and 2: nothing cut). Row 1's
-  first tile holds no valid index, the last row none at all. The
-  reference's result (the dead row 0 and -inf), the race detector on the
-  first case; in the select cases, NaN in slot 0 and in every slot no row
-  indexes leaves "select" bit-equal to clean memory, and "multiply" gives NaN
-  exactly where the reference does (row 1's NaN null block, met only in its
-  first piece, poisons the merged row). The multiply cases' results are
-  float32."""
+  rows in 2 parts (the boundary between rows 1 and 2: nothing cut). Whole
+  rows first: 5 rows in 3 parts (rows 0-2 whole, row 3 in two pieces, row
+  4 whole in part 2's run); 7 rows of 3 tiles in 5 parts (row 5 in three
+  pieces, row 6 in two: a slot of no piece); 4 rows of 2 tiles in 3 parts
+  (fewer leftover tiles than parts: part 2's run is empty); 6 rows in 3
+  parts (two whole rows each, nothing cut). Row 1's first tile holds no
+  valid index, the last row none at all. The reference's result (the dead
+  row 0 and -inf), the race detector on the first case; in the select
+  cases, NaN in slot 0 and in every slot no row indexes leaves "select"
+  bit-equal to clean memory, and "multiply" gives NaN exactly where the
+  reference does (row 1's NaN null block, met only in its first tile,
+  poisons the row). The multiply cases' results are float32."""
   q, cache, idx = inputs(61 + batch, batch, heads, 64 * tiles, invalid=0.2,
                           dead_rows=(batch - 1,))
   idx = idx.at[1, :64].set(-1)
   if mode == "multiply":
     q = q.astype(jnp.float32)  # a float32 result, from registers and the merge
-  config = SparseMLADecodeConfig(parts=parts, combine=combine)
-  first = heads == 64 and mode == "select"
+  config = SparseMLADecodeConfig(parts=parts, combine=combine, stream_whole=whole)
+  first = heads == 64 and mode == "select" and batch == 5
 
   def run(c, mode, interpret=FAST):
     return sparse_mla_decode(q, c, idx, sm_scale=SCALE, mask_mode=mode, interpret=interpret,

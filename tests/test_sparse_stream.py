@@ -1,59 +1,78 @@
-"""The stream schedule's arithmetic (`sparse_mla_decode.stream`), in plain Python."""
+"""The stream schedule's arithmetic (`sparse_mla_decode.stream.Stream`), in plain Python."""
 
 import itertools
 
-from jaxkv.kernels.sparse_mla_decode.stream import (
-    boundary_row,
-    cut_boundaries,
-    part_bounds,
-    part_rows,
-    segment,
-)
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 
-def stream_segments(*, batch, tiles, parts):
+def stream_segments(stream):
   """Each part's segments as (row, first tile, count), as the kernels walk them."""
-  total = batch * tiles
   out = []
-  for p in range(parts):
-    beg, end = part_bounds(p, total=total, parts=parts)
-    first, last = part_rows(beg, end, tiles=tiles)
-    out.append([(row, *segment(row, beg, end, tiles=tiles)) for row in range(first, last)])
+  for p in range(stream.parts):
+    segs = []
+    for beg, end in stream.runs(p):
+      first, last = stream.run_rows(beg, end)
+      segs += [(row, *stream.segment(row, beg, end)) for row in range(first, last)]
+    out.append(segs)
   return out
 
 
-def test_segments_cover_every_tile_once_and_cut_a_row_at_most_once():
-  """For every batch >= parts: the parts' segments cover each row's tiles
-  exactly once, in order; a part is 2-3 segments at most where its run is
-  under two rows; a row is cut at most once, at the boundary `boundary_row`
-  names, its first piece ending part p - 1 and its second starting part p."""
+def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
+  """For every batch >= parts, with and without whole rows first: the parts'
+  segments cover each row's tiles exactly once, in order, none empty; the
+  parts' tile counts differ by one at most; a part's whole rows are its own
+  (`whole` of them, first); a row cut into pieces is a leftover row, its
+  pieces `row_pieces` of them, numbered 0, 1, ... along the row by `piece`;
+  a leftover row in one run has `row_pieces` 1 and is one whole segment."""
   for tiles, parts in itertools.product((1, 2, 3, 5, 32), (2, 3, 7, 66, 132)):
     for batch in sorted({parts, parts + 1, 2 * parts - 1, 2 * parts, 3 * parts + 5}):
-      segs = stream_segments(batch=batch, tiles=tiles, parts=parts)
-      covered = {}
-      for p, part in enumerate(segs):
-        assert part and all(n > 0 for _, _, n in part)
-        beg, end = part_bounds(p, total=batch * tiles, parts=parts)
-        assert sum(n for _, _, n in part) == end - beg >= tiles
-        if end - beg < 2 * tiles:
-          assert len(part) <= 3
-        for row, lo, n in part:
-          covered.setdefault(row, []).append((lo, n, p))
-      assert sorted(covered) == list(range(batch))
-      cuts = 0
-      for row, pieces in covered.items():
-        assert [lo for lo, _, _ in pieces] == [0] + [lo + n for lo, n, _ in pieces[:-1]]
-        assert sum(n for _, n, _ in pieces) == tiles and len(pieces) <= 2
-        if len(pieces) == 2:
-          cuts += 1
-          p = pieces[1][2]
-          assert pieces[0][2] == p - 1 and pieces[0][0] == 0 and pieces[1][0] > 0
-          assert boundary_row(p, total=batch * tiles, parts=parts, tiles=tiles) == (row, True)
-      assert cuts == cut_boundaries(batch=batch, tiles=tiles, parts=parts)
+      for whole in sorted({0, 1, batch // parts}):
+        stream = Stream(batch, tiles, parts, whole)
+        segs = stream_segments(stream)
+        covered = {}
+        sizes = [sum(n for _, _, n in part) for part in segs]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == batch * tiles
+        for p, part in enumerate(segs):
+          assert all(n > 0 for _, _, n in part)
+          assert [row for row, _, _ in part[:whole]] == list(range(p * whole, (p + 1) * whole))
+          assert all(lo == 0 and n == tiles for _, lo, n in part[:whole])
+          for row, lo, n in part:
+            covered.setdefault(row, []).append((lo, n, p))
+        assert sorted(covered) == list(range(batch))
+        cut = 0
+        for row, pieces in covered.items():
+          assert [lo for lo, _, _ in pieces] == [0] + [lo + n for lo, n, _ in pieces[:-1]]
+          assert sum(n for _, n, _ in pieces) == tiles
+          if row < stream.first_left_row:
+            assert len(pieces) == 1
+            continue
+          assert stream.row_pieces(row - stream.first_left_row) == len(pieces)
+          assert [stream.piece(p, row) for _, _, p in pieces] == list(range(len(pieces)))
+          cut += len(pieces) > 1
+        assert cut == stream.cut_rows
+        assert stream.max_pieces == max(
+            [len(v) for r, v in covered.items() if r >= stream.first_left_row], default=1)
 
 
-def test_boundaries_between_rows_cut_none():
-  assert boundary_row(1, total=8, parts=2, tiles=4) == (1, False)
-  assert boundary_row(1, total=12, parts=3, tiles=3) == (1, True)
-  assert cut_boundaries(batch=132, tiles=32, parts=132) == 0
-  assert cut_boundaries(batch=200, tiles=32, parts=132) == 124  # 131 less 7 between rows
+def test_fewer_leftover_tiles_than_parts_take_a_tile_a_part():
+  """133 rows of 32 tiles in 132 parts: one whole row each, then the last
+  row's 32 tiles one to each of the first 32 parts (the other 100 runs are
+  empty); the plain stream cuts 127 rows in two instead."""
+  stream = Stream(133, 32, 132, 1)
+  assert [stream.runs(p)[1] for p in (0, 31, 32, 131)] == [
+      (4224, 4225), (4255, 4256), (4256, 4256), (4256, 4256)]
+  assert stream.run_rows(4256, 4256) == (133, 133)
+  assert (stream.cut_rows, stream.max_pieces) == (1, 32)
+  plain = Stream(133, 32, 132, 0)
+  assert (plain.cut_rows, plain.max_pieces) == (127, 2)
+
+
+def test_whole_rows_first_cut_fewer_rows_in_more_pieces():
+  """83 x 128 heads (66 parts a head group, 32 tiles a row): 17 leftover rows
+  in 4-5 pieces against 63 rows in two; 140 rows: 8 in up to 9; a batch of
+  whole rows only cuts none."""
+  assert (Stream(83, 32, 66, 1).cut_rows, Stream(83, 32, 66, 1).max_pieces) == (17, 5)
+  assert (Stream(83, 32, 66, 0).cut_rows, Stream(83, 32, 66, 0).max_pieces) == (63, 2)
+  assert (Stream(140, 32, 66, 2).cut_rows, Stream(140, 32, 66, 2).max_pieces) == (8, 9)
+  assert (Stream(132, 32, 66, 2).cut_rows, Stream(132, 32, 66, 2).max_pieces) == (0, 1)
+  assert Stream(132, 32, 66, 0).cut_rows == 0

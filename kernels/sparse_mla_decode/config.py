@@ -98,6 +98,13 @@ class SparseMLADecodeConfig:
       the batch's top-k tiles laid end to end, a row cut between two runs
       merged afterwards (`piece_merge`). It needs `batch >= parts`. None:
       `plan.wave_plan`'s choice; 0: never. Not with `cut_rows` or `cluster_merge`.
+    stream_whole: with the stream, each part first takes `batch // parts`
+      whole rows of its own, and only the other rows' tiles are laid end to
+      end in equal runs behind them (`stream.Stream`): the same tiles a
+      part, but far fewer rows cut, in more pieces (83 x 128 heads: 17 rows
+      a head group in 4-5 pieces, against 63 in two), so the merge after
+      the kernel reads and writes about half the bytes. False: every row's
+      tiles laid end to end.
     f16_partials: the split or piece partials that a merge after the kernel
       reads (the combine kernel's or XLA's; not a cluster's, which stay
       float32) go out in float16, each head row's channel half divided by the
@@ -131,6 +138,7 @@ class SparseMLADecodeConfig:
   cluster_merge: bool | None = None
   combine: str = "kernel"
   parts: int | None = None
+  stream_whole: bool = True
   f16_partials: bool = True
   kv_swizzle: int = 128
 
@@ -149,6 +157,8 @@ class SparseMLADecodeConfig:
       raise ValueError(f"{self.stage_out=} must be a bool")
     if not isinstance(self.f16_partials, bool):
       raise ValueError(f"{self.f16_partials=} must be a bool")
+    if not isinstance(self.stream_whole, bool):
+      raise ValueError(f"{self.stream_whole=} must be a bool")
     rows = self.cut_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
       raise ValueError(f"cut_rows={rows!r} must be None or an int >= 0")

@@ -35,7 +35,6 @@ from jaxkv.kernels.mla_decode.seesaw import (
 from jaxkv.kernels.sparse_mla_decode.cluster import merge_row
 from jaxkv.kernels.sparse_mla_decode.cta import CONSUMER_REGS, Cta, Launch, Smem
 from jaxkv.kernels.sparse_mla_decode.gather import wait_barrier
-from jaxkv.kernels.sparse_mla_decode.stream import segment
 
 # The running maximum's start: finite and below any score (|q.k| * scale is
 # far smaller), so that masked scores (-inf) give exp2(-inf - M_FLOOR) = 0.
@@ -163,9 +162,10 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
   seesaw_begin(wg, bars)
   if parts:
     cut_o, cut_lse, *cut_scale = more_refs
+    stream = launch.stream
 
-    def consume_row(row, steps):
-      lo, n = segment(row, cta.beg, cta.end, tiles=num_tiles)
+    def consume_row(beg, end, row, steps):
+      lo, n = stream.segment(row, beg, end)
       whole = (lo == 0) & (n == num_tiles)
       # The last tile's stage is kept for what goes out through it: a whole
       # row's staged result, a cut row's float16 piece.
@@ -180,8 +180,6 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
       plgpu.barrier_arrive(smem.q_free_bar)  # both QKs and PVs of the query are done
       l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=True)
       o, lse = softmax_finish(acc, m_i, l_i)
-      tail = lo > 0  # piece 1 of the row cut at this part's start
-      # (else piece 0 of the row cut at the next part's start)
       last = lax.rem(steps + n - 1, NUM_STAGES)  # the stage of the row's last tile
 
       @pl.when(whole)
@@ -190,20 +188,21 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
         if stage_out:  # the copy has read the stage: the producer may refill it
           plgpu.barrier_arrive(free_bar.at[last])
 
-      cut = jnp.where(tail, b - 1, b)
-      at = lambda: jnp.clip(cut, 0, parts - 2)
-
-      def store_piece(k):
-        store_partial(cut_o.at[at(), k], cut_lse.at[at(), k], o, lse,
-                      scale_dst=cut_scale[0].at[at(), k] if f16 else None, stage=last)
+      @pl.when(~whole)
+      def _():  # a piece of a leftover row: `[row's index among them, piece]`
+        at = (jnp.clip(row - stream.first_left_row, 0, cut_o.shape[0] - 1),
+              jnp.clip(stream.piece(b, row), 0, cut_o.shape[1] - 1))
+        store_partial(cut_o.at[at], cut_lse.at[at], o, lse,
+                      scale_dst=cut_scale[0].at[at] if f16 else None, stage=last)
         if f16:  # the copy has read the stage: the producer may refill it
           plgpu.barrier_arrive(free_bar.at[last])
 
-      for k, when in enumerate((~whole & ~tail, tail)):
-        pl.when(when)(lambda k=k: store_piece(k))
       return steps + n
 
-    lax.fori_loop(cta.row_lo, cta.row_hi, consume_row, jnp.int32(0))
+    steps = jnp.int32(0)
+    for beg, end in cta.runs:  # the whole rows, then the leftover run
+      steps = lax.fori_loop(*stream.run_rows(beg, end),
+                            functools.partial(consume_row, beg, end), steps)
     seesaw_end(wg, bars)
     return
   acc, m_i, l_own = tiles(cta.n_tiles, 0)

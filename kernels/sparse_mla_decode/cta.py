@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 from jaxkv.kernels.mla_decode.layout import HEAD_TILE, NUM_STAGES
 from jaxkv.kernels.sparse_mla_decode.config import TILE
-from jaxkv.kernels.sparse_mla_decode.stream import part_bounds, part_rows
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 IDX_STAGES = 4  # tiles of slot ids in flight ahead of their gathers
 # setmaxnreg only moves registers inside the launch allocation (168 per
@@ -44,6 +44,7 @@ class Launch:
   cluster_merge: bool
   cluster_size: int
   parts: int
+  stream_whole: int  # the stream: whole rows per part, before its leftover run
   stage_out: bool  # the kernel's own result of a whole row, staged
   stage_merged: bool  # a cluster's merged result, staged
   f16_partials: bool  # partials for the merge after the kernel: float16, staged
@@ -57,6 +58,11 @@ class Launch:
   def whole_pv(self) -> bool:
     """Each consumer's PV takes a tile's whole P (the 128-byte swizzle)."""
     return self.kv_swizzle == 128
+
+  @property
+  def stream(self) -> Stream:
+    """The stream schedule (with `parts`)."""
+    return Stream(self.batch, self.num_tiles, self.parts, self.stream_whole)
 
   @property
   def last_stage(self) -> int:
@@ -78,10 +84,7 @@ class Cta(NamedTuple):
   whole: Any  # a whole row (cut rows: not a piece)
   piece: Any  # cut rows: the piece of the row
   part: Any  # cut rows: the cut row's index among the cut rows
-  beg: Any  # the stream: the part's run of tiles [beg, end) ...
-  end: Any
-  row_lo: Any  # ... over rows [row_lo, row_hi)
-  row_hi: Any
+  runs: Any  # the stream: the part's runs of tiles, ((beg, end), (beg, end))
 
   def inside(self, ids):
     """Valid: an id of a cache slot; -1 and the rest are masked."""
@@ -100,7 +103,7 @@ def cta_work(launch: Launch, num_slots: int) -> Cta:
   tok0 = split * (num_tiles * TILE)
   n_tiles = num_tiles  # this CTA's tiles: static, except with cut_rows
   whole = True
-  piece = part = beg = end = row_lo = row_hi = None
+  piece = part = runs = None
   if cut_rows and launch.cluster_merge:
     # Cluster b < whole_rows / 2: rows 2b and 2b + 1 whole, a CTA each; then
     # one cluster per cut row, its halves.
@@ -123,19 +126,18 @@ def cta_work(launch: Launch, num_slots: int) -> Cta:
     n_tiles = jnp.where(whole, num_tiles, (piece + 1) * num_tiles // pieces - first)
   n_steps = n_tiles  # the CTA's tiles, all segments
   if launch.parts:
-    # Part b's run of the batch's tiles (`stream.py`): rows [row_lo, row_hi).
-    beg, end = part_bounds(b, total=launch.batch * num_tiles, parts=launch.parts)
-    row_lo, row_hi = part_rows(beg, end, tiles=num_tiles)
-    n_steps = end - beg
+    # Part b's whole rows and leftover run (`stream.py`).
+    runs = launch.stream.runs(b)
+    n_steps = sum(end - beg for beg, end in runs)
   return Cta(g=g, split=split, b=b, heads=heads, num_slots=num_slots, tok0=tok0,
-             n_tiles=n_tiles, n_steps=n_steps, whole=whole, piece=piece, part=part, beg=beg,
-             end=end, row_lo=row_lo, row_hi=row_hi)
+             n_tiles=n_tiles, n_steps=n_steps, whole=whole, piece=piece, part=part, runs=runs)
 
 
 def locate(launch: Launch, cta: Cta, j):
   """The CTA's tile j: its row and the tile's first index in the row."""
   if launch.parts:
-    t = cta.beg + j
+    (a_beg, a_end), (b_beg, _) = cta.runs
+    t = jnp.where(j < a_end - a_beg, a_beg + j, b_beg + j - (a_end - a_beg))
     return t // launch.num_tiles, lax.rem(t, launch.num_tiles) * TILE
   return cta.b, cta.tok0 + j * TILE
 

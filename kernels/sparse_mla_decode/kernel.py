@@ -116,6 +116,7 @@ def build_kernel(
     pieces: int = 2,
     cluster_merge: bool = False,
     parts: int = 0,
+    stream_whole: int = 0,
     f16_partials: bool = False,
 ):
   """Builds the kernel call.
@@ -185,15 +186,17 @@ def build_kernel(
   nothing is left unwritten.
 
   `parts` (with one split, no `cut_rows`, no `cluster_merge`, `2 <= parts
-  <= batch`): the stream schedule (`stream.py`): `parts` CTAs per head group,
-  each over an equal run of the batch's tiles laid end to end, row segment
-  by row segment (the query reloaded per segment; the KV ring runs on across
-  segments). A whole row's segment is the row's result, in the first two
-  outputs (with `stage_out` staged in its last tile's stage, which goes back
-  to the producer once the copy has read it); the two pieces of a row cut at
-  the start of part p
-  go to two more outputs, o `[parts - 1, 2, heads_padded, 512]` and lse
-  `[parts - 1, 2, heads_padded]` f32, at index p - 1, for `piece_merge`.
+  <= batch`): the stream schedule (`stream.Stream`): `parts` CTAs per head
+  group, each over `stream_whole` whole rows of its own (`stream_whole *
+  parts <= batch`) and then an equal run of the other rows' tiles laid end
+  to end, row segment by row segment (the query reloaded per segment; the
+  KV ring runs on across segments). A whole row's segment is the row's
+  result, in the first two outputs (with `stage_out` staged in its last
+  tile's stage, which goes back to the producer once the copy has read it);
+  piece j of the i-th row cut between runs goes to two more outputs, o
+  `[left_rows, max_pieces, heads_padded, 512]` and lse `[left_rows,
+  max_pieces, heads_padded]` f32 (`Stream.left_rows` and
+  `Stream.max_pieces`, at least 1 and 2), at `[i, j]`, for `piece_merge`.
   The cut rows of the first two outputs are left unwritten.
 
   `f16_partials` (where partials are merged after the kernel: several splits,
@@ -212,7 +215,7 @@ def build_kernel(
   assert cut_rows == 0 or (num_splits == 1 and 2 <= pieces <= topk // TILE
                            and cut_rows <= batch)
   assert not parts or (num_splits == 1 and not cut_rows and not cluster_merge
-                       and 2 <= parts <= batch)
+                       and 2 <= parts <= batch and 0 <= stream_whole * parts <= batch)
   assert not cluster_merge or (num_splits in CLUSTER_SPLITS and not cut_rows) or (
       num_splits == 1 and cut_rows and pieces == 2 and (batch - cut_rows) % 2 == 0)
   assert not f16_partials or (not cluster_merge and (parts or cut_rows or num_splits > 1))
@@ -246,6 +249,7 @@ def build_kernel(
       out_dtype=out_dtype, head_groups=heads_padded // HEAD_TILE, tail_heads=tail_heads,
       cut_rows=cut_rows, pieces=pieces,
       cluster_merge=cluster_merge, cluster_size=cluster_size, parts=parts,
+      stream_whole=stream_whole if parts else 0,
       stage_out=stage_out, stage_merged=stage_merged, f16_partials=f16_partials)
 
   def sparse_mla_decode_kernel(
@@ -255,8 +259,8 @@ def build_kernel(
       o_ref,  # [batch, (num_splits,) out_heads, 512], GMEM
       lse_ref,  # [batch, (num_splits,) out_heads] f32, GMEM
       *more_refs,  # cut_rows: [cut_rows, pieces, heads_padded, (512)] f32; cluster_merge:
-      # [batch, num_splits, heads_padded, (512)] f32; parts: [parts - 1, 2,
-      # heads_padded, (512)] f32; with f16_partials, the partials' scales
+      # [batch, num_splits, heads_padded, (512)] f32; parts: [left_rows,
+      # max_pieces, heads_padded, (512)] f32; with f16_partials, the partials' scales
       # last (GMEM)
   ):
     cta = cta_work(static, num_slots=cache_ref.shape[0])
@@ -355,7 +359,9 @@ def build_kernel(
   if cluster_merge and not cut_rows:
     out_type = (*result, *split_outputs(batch, num_splits, heads_padded))
   elif parts:
-    out_type = (*result, *split_outputs(parts - 1, 2, heads_padded, **f16))
+    stream = static.stream
+    out_type = (*result, *split_outputs(max(stream.left_rows, 1), max(stream.max_pieces, 2),
+                                        heads_padded, **f16))
   elif direct:
     out_type = (*result,
                 *(split_outputs(cut_rows, pieces, heads_padded, **f16) if cut_rows else ()))

@@ -19,6 +19,8 @@ written.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,7 +38,7 @@ from jaxkv.kernels.mla_decode.layout import (
     stage_head_group,
 )
 from jaxkv.kernels.mla_decode.seesaw import softmax_finish, softmax_start
-from jaxkv.kernels.sparse_mla_decode.stream import boundary_row
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 # SMEM for a CTA's partial tiles: `pieces x 64 x cols` float32.
 TILES_SMEM = 128 * 1024
@@ -62,7 +64,7 @@ def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = No
   return cols
 
 
-def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
+def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None, present=None):
   """`combine_splits` of a row tile's partials, in registers: `(result, LSE)`.
 
   Args:
@@ -81,12 +83,23 @@ def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
       divided by it (`layout.scaled_half`), and each tile's weight is
       multiplied by it. A power of two: `w * scale` rounds as `o * scale`
       would.
+    present: None, or for each partial a traced bool: where False, it is
+      no partial of this row (its LSE, tile and scale are whatever the
+      memory held) and is weighed 0 and never added, NaN or not.
 
   Returns:
     the merged `[64, cols]` f32 tile (0 in a row of no live partial, even
     where "multiply" met NaN) and its natural-log LSE (-inf there); both NaN
     in a row where a live partial's LSE is NaN.
   """
+  if present is not None:  # an absent partial: LSE -inf (weight 0), its tile never kept
+    # (A scalar predicate broadcast first: Mosaic GPU's select takes no
+    # implicit broadcast.)
+    def masked(lse, p):
+      x = lse()
+      return jnp.where(jnp.broadcast_to(p, x.shape), x, -jnp.inf)
+
+    lses = [functools.partial(masked, lse, p) for lse, p in zip(lses, present)]
   m = lses[0]()
   for lse in lses[1:]:
     m = jnp.maximum(m, lse())
@@ -100,6 +113,8 @@ def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
     keep = lax.broadcast_in_dim(live, o_j.shape, [0])
     if not select:
       keep = keep | jnp.isnan(o_j)
+      if present is not None:
+        keep = keep & jnp.broadcast_to(present[j], keep.shape)
     # (A piece of no weight takes scale 1: its scale is never a NaN's way in.)
     w_o = w if scales is None else w * jnp.where(live, scales[j](), 1.0)
     acc = acc + jnp.where(keep, o_j, 0.0) * lax.broadcast_in_dim(w_o, acc.shape, [0])
@@ -111,7 +126,7 @@ def weighted_merge(lses, parts, *, cols: int, select: bool, scales=None):
 def build_piece_merge(
     *, rows: int, pieces: int, heads_padded: int, out_heads: int, out_dtype, select: bool,
     interpret, first_row: int | None = None, cols: int | None = None,
-    per_copy: int | None = None, stream: tuple[int, int, int] | None = None,
+    per_copy: int | None = None, stream: Stream | None = None,
     q_heads: int | None = None, scaled: bool = False,
 ):
   """Returns `(o, lse) -> (out, lse_out)`, or with `first_row` `(o, lse, out,
@@ -139,10 +154,12 @@ def build_piece_merge(
     cols: value channels per CTA (default `merge_cols`).
     per_copy: pieces' tiles per TMA copy (default `PIECES_PER_COPY`; one
       where the last head group is short).
-    stream: `(total, parts, tiles)` of sparse decode's stream schedule
-      (`stream.py`), with `first_row=0`: row r of o and lse is the cut at
-      boundary r + 1, merged into the row it cuts (`stream.boundary_row`);
-      a boundary between two rows cuts none, and its partials are not read.
+    stream: sparse decode's stream schedule (`stream.Stream`), with `rows`
+      its `left_rows`, `pieces` at least its `max_pieces` and `first_row`
+      its `first_left_row`: row r of o and lse holds the `row_pieces(r)`
+      pieces of leftover row r (the others are no pieces: neither used nor
+      weighed), merged into batch row `first_row + r`; a row in one piece
+      was written whole by the decode kernel and is not read.
     q_heads: the real heads where fewer than `out_heads` (a multiple of 8
       within the last head group): only their partial rows are read and
       their result rows written (None: `out_heads`).
@@ -153,7 +170,8 @@ def build_piece_merge(
   """
   head_groups = heads_padded // HEAD_TILE
   assert heads_padded % HEAD_TILE == 0 and 2 <= pieces <= MAX_PIECES
-  assert stream is None or (first_row == 0 and pieces == 2 and rows == stream[1] - 1)
+  assert stream is None or (first_row == stream.first_left_row and rows == stream.left_rows
+                            and pieces >= stream.max_pieces)
   if cols is None:
     cols = merge_cols(rows=rows, head_groups=head_groups, pieces=pieces)
   assert LATENT % cols == 0 and pieces * HEAD_TILE * cols * 4 <= TILES_SMEM
@@ -171,7 +189,10 @@ def build_piece_merge(
     b, g, c = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("c")
     heads, chans = pl.ds(g * HEAD_TILE, HEAD_TILE), pl.ds(c * cols, cols)
 
-    def merge_row(row):  # b's pieces into the result's row `row`
+    def merge_row(row, count=None):
+      # b's pieces (the first `count`, a traced int; None: all) into the
+      # result's row `row`.
+      live = lambda j: True if count is None else j < count
       # The pieces' LSE (all 64 rows: 256 bytes a piece), and scaled, the
       # scales of the channel half `chans` lie in; then their tiles.
       plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_buf, lse_bar)
@@ -183,7 +204,8 @@ def build_piece_merge(
         for j in range(0, pieces, at_once):
           k = min(at_once, pieces - j)
           src = o_ref.at[pl.ds(b * pieces + j, k), pl.ds(first_head, n), chans]
-          plgpu.copy_gmem_to_smem(src, o_buf.at[pl.ds(j, k), pl.ds(0, n)], o_bar.at[j])
+          pl.when(live(j))(lambda src=src, j=j, k=k: plgpu.copy_gmem_to_smem(
+              src, o_buf.at[pl.ds(j, k), pl.ds(0, n)], o_bar.at[j]))
 
       # A last head group of fewer real heads reads their tiles' rows alone:
       # the decode kernel writes no other rows of its partials. The tiles'
@@ -202,7 +224,7 @@ def build_piece_merge(
 
       def tile(j):  # piece j's tile, once it has landed
         if j % per == 0:
-          plgpu.barrier_wait(o_bar.at[j])
+          pl.when(live(j))(lambda: plgpu.barrier_wait(o_bar.at[j]))
         o_j = plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
         if scaled:
           o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
@@ -215,7 +237,7 @@ def build_piece_merge(
       res, lse = weighted_merge(
           [lambda j=j: log2_lse(j) for j in range(pieces)],
           [lambda j=j: tile(j) for j in range(pieces)], cols=cols, select=select,
-          scales=scales)
+          scales=scales, present=None if count is None else [live(j) for j in range(pieces)])
       res = res.astype(out_dtype)
 
       stage_head_group(out_buf, res, lambda rows: out_ref.at[row, rows, chans], g,
@@ -225,9 +247,9 @@ def build_piece_merge(
 
     if stream is None:
       merge_row(b if first_row is None else first_row + b)
-    else:  # only where the boundary cuts a row
-      row, cut = boundary_row(b + 1, total=stream[0], parts=stream[1], tiles=stream[2])
-      pl.when(cut)(lambda: merge_row(row))
+    else:  # only where the row was cut
+      count = stream.row_pieces(b)
+      pl.when(count > 1)(lambda: merge_row(first_row + b, count))
 
   outputs = (jax.ShapeDtypeStruct((rows, out_heads, LATENT), out_dtype),
              jax.ShapeDtypeStruct((rows, out_heads), jnp.float32))

@@ -14,7 +14,7 @@ from jaxkv.kernels.sparse_mla_decode.config import (
     TILE,
     SparseMLADecodeConfig,
 )
-from jaxkv.kernels.sparse_mla_decode.stream import cut_boundaries
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 
 class RowCut(NamedTuple):
@@ -58,10 +58,13 @@ PLAN_MARGIN = 0.05
 # share each row through L2. The fixed parts were fitted with whole rows'
 # results stored from registers (12.8 and 21.8 µs) and lowered by what
 # staging them saved (4.7-5.7 µs at 128 heads, 1.9 at 64). The merge of the
-# cut rows (~131 rows in two pieces) took 8.8-10 µs.
+# cut rows: a launch, and per piece read or row written (each 64 heads x 512
+# channels); with float16 pieces, 63 rows a head group cut in two at 83 x 128
+# took 6.8-7.2 µs (2026-12-06).
 STREAM_TILE_US = {1: 2.53, 2: 2.27}
 STREAM_FIXED_US = {1: 19.9, 2: 8.3}
-STREAM_MERGE_US = 9.0
+STREAM_MERGE_US = 1.5
+STREAM_MERGE_TILE_US = 0.015
 
 
 def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
@@ -108,19 +111,26 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
   return span + COMBINE_US + COMBINE_PIECE_US * cut.pieces + COMBINE_MB_US * partials_mb
 
 
-def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int) -> float:
+def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
+                whole: bool = True) -> float:
   """The stream schedule's modelled time (µs): its longest part (every CTA
-  streams the whole time), plus the merge of the rows it cuts in two."""
+  streams the whole time), plus the merge of the rows it cuts (`whole`:
+  `SparseMLADecodeConfig.stream_whole`)."""
   groups = min(-(-num_heads // 64), 2)
   span = STREAM_FIXED_US[groups] + -(-batch * tiles // parts) * STREAM_TILE_US[groups]
-  return span + (STREAM_MERGE_US if cut_boundaries(batch=batch, tiles=tiles, parts=parts)
-                 else 0.0)
+  stream = Stream(batch, tiles, parts, batch // parts if whole else 0)
+  if not stream.cut_rows:
+    return span
+  pieces = sum(n for n in map(stream.row_pieces, range(stream.left_rows)) if n > 1)
+  tiles_moved = (pieces + stream.cut_rows) * -(-num_heads // 64)
+  return span + STREAM_MERGE_US + STREAM_MERGE_TILE_US * tiles_moved
 
 
 @functools.lru_cache(maxsize=256)
 def wave_plan(
     *, batch: int, num_heads: int, topk: int, num_splits: int, pieces: int | None = None,
     pairs_only: bool = False, stream: bool = True, num_sms: int = DEFAULT_SMS,
+    stream_whole: bool = True,
 ) -> RowCut:
   """The rows to cut and their pieces (`SparseMLADecodeConfig.cut_rows=None`).
 
@@ -133,8 +143,8 @@ def wave_plan(
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
   beats the whole rows' waves by `PLAN_MARGIN`. With `stream` (and neither
   `pieces` nor `pairs_only`), the stream schedule of `num_sms / groups` CTAs
-  per head group (`stream_cost`) where it beats that choice by `PLAN_MARGIN`
-  too, at any batch past one wave. No cut with several splits, within one
+  per head group (`stream_cost`, with `stream_whole`) where it beats that
+  choice by `PLAN_MARGIN` too, at any batch past one wave. No cut with several splits, within one
   wave, past two waves (but the stream), and for a one-tile list.
   """
   tiles = topk // TILE
@@ -162,7 +172,8 @@ def wave_plan(
     # It too must beat the plan chosen so far by `PLAN_MARGIN` in the model.
     if best.rows:
       best_cost *= 1 - PLAN_MARGIN
-    if stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=parts) < best_cost:
+    if stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=parts,
+                   whole=stream_whole) < best_cost:
       best = RowCut(0, 2, parts)
   return best
 
@@ -180,7 +191,8 @@ def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
   return wave_plan(batch=batch, num_heads=num_heads, topk=topk,
                    num_splits=config.num_splits, pieces=config.pieces,
                    pairs_only=bool(config.cluster_merge) and config.pieces in (None, 2),
-                   stream=config.parts is None, num_sms=device_sms())
+                   stream=config.parts is None, num_sms=device_sms(),
+                   stream_whole=config.stream_whole)
 
 
 def halves_pair_up(*, batch: int, cut_rows: int, pieces: int = 2) -> bool:

@@ -36,7 +36,6 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
     row_ids,
     warpgroup_barrier,
 )
-from jaxkv.kernels.sparse_mla_decode.stream import segment
 
 
 def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> None:
@@ -60,7 +59,10 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
   query = functools.partial(load_query, q_ref, g=cta.g, head_groups=launch.head_groups,
                             tail_heads=launch.tail_heads, q_lat=q_lat, q_rope=smem.q_rope_smem,
                             bar=smem.q_bar)
-  query(cta.row_lo if parts else cta.b)
+  if parts:  # the part's first row: its first whole row, or its leftover run's first
+    query(cta.runs[0 if launch.stream.whole else 1][0] // num_tiles)
+  else:
+    query(cta.b)
 
   def fetch_ids(j):
     row, tok = locate(launch, cta, j)
@@ -126,9 +128,11 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
     pl.when(i + IDX_STAGES < n_steps)(lambda: fetch_ids(i + IDX_STAGES))
 
   if parts:
-    def produce_row(row, carry):
+    stream = launch.stream
+
+    def produce_row(beg, end, row, carry):
       steps, segs = carry
-      _, n = segment(row, cta.beg, cta.end, tiles=num_tiles)
+      _, n = stream.segment(row, beg, end)
 
       @pl.when(segs > 0)
       def _():
@@ -141,7 +145,10 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
       pl.loop(jnp.minimum(segs, 1), n)(lambda i: produce_tile(steps + i))
       return steps + n, segs + 1
 
-    lax.fori_loop(cta.row_lo, cta.row_hi, produce_row, (jnp.int32(0), jnp.int32(0)))
+    carry = (jnp.int32(0), jnp.int32(0))
+    for beg, end in cta.runs:  # the whole rows, then the leftover run
+      carry = lax.fori_loop(*stream.run_rows(beg, end),
+                            functools.partial(produce_row, beg, end), carry)
     plgpu.barrier_wait(q_free_bar)  # the last segment's release
   else:
     pl.loop(0, cta.n_tiles)(produce_tile)

@@ -1,64 +1,127 @@
-"""The stream schedule of one-split sparse decode: every CTA an equal run of the batch's tiles.
+"""The stream schedule of one-split sparse decode: every CTA an equal share of the batch's tiles.
 
-All rows' top-k tiles laid end to end (row r's tile t is tile `r * tiles + t`
-of `total = batch * tiles`) are cut into `parts` runs of equal length, one
-CTA per run and head group: part p covers tiles `[p * total // parts, (p + 1)
-* total // parts)`. Inside a part, a row's tiles are one segment: a whole
-row is the row's result, a row cut by a part's end or start is one of its two
-pieces (with `batch >= parts` every run is at least a row long, so a row is
-cut at most once). The pieces of the row cut at boundary p (the start of
-part p, `1 <= p < parts`) are partial `p - 1`: piece 0 (the row's first
-tiles) from part p - 1, piece 1 from part p; `piece_merge` merges them into
-the result in place. Where a boundary falls between two rows, no row is cut
-there and nothing is written or merged for it.
+`parts` CTAs per head group share the batch's `batch * tiles` tiles (row r's
+tile t is tile `r * tiles + t`). Part p first takes `whole` rows of its own,
+whole: rows `[p * whole, (p + 1) * whole)`, run A. The rest of the batch,
+rows `[parts * whole, batch)` (the leftover rows, `left` tiles laid end to
+end), is cut into `parts` runs as even as whole tiles allow, one per part
+behind its whole rows: run B, leftover tiles `[start(p), start(p + 1))`.
+With `whole = 0` every row is leftover: the batch's tiles laid end to end in
+`parts` equal runs.
+
+Inside a run, a row's tiles are one segment: a whole row is the row's
+result, written by the part; a leftover row touched by several parts' runs
+is cut into pieces, one per run (`row_pieces` of them, in order along the
+row), piece j of leftover row i at `[i, j]` of the pieces' outputs, which
+`piece_merge` merges into the result in place.
+
+With `whole = batch // parts` (`SparseMLADecodeConfig.stream_whole`, the
+default) few rows are cut: at 83 rows x 128 heads in 66 parts per head
+group, 17 rows per head group in 4-5 pieces, against 65 rows in two with
+`whole = 0`; the merge reads and writes about half the bytes.
 
 Unlike rows cut into pieces behind a wave of whole rows (`plan.wave_plan`),
-every CTA ends at the same time whatever the batch: 200 x 64 heads is 1.52
-whole-row waves, which whole rows run in two.
+every CTA ends at about the same time whatever the batch.
 
 The functions take Python ints (the plan's model and the tests) or traced
-int32 scalars (the kernels).
+int32 scalars (the kernels) for their row, part and tile arguments.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 
-def part_bounds(part, *, total: int, parts: int):
-  """Part `part`'s first tile and the tile after its last."""
-  return part * total // parts, (part + 1) * total // parts
+def _min(a, b):
+  return min(a, b) if all(isinstance(x, int) for x in (a, b)) else jnp.minimum(a, b)
 
 
-def part_rows(beg, end, *, tiles: int):
-  """The rows `[first, last)` that tiles `[beg, end)` touch."""
-  return beg // tiles, (end + tiles - 1) // tiles
+def _max(a, b):
+  return max(a, b) if all(isinstance(x, int) for x in (a, b)) else jnp.maximum(a, b)
 
 
-def segment(row, beg, end, *, tiles: int):
-  """Row `row`'s tiles inside `[beg, end)`: (first tile of the row, count)."""
-  if all(isinstance(x, int) for x in (row, beg, end)):
-    lo, hi = max(beg - row * tiles, 0), min(end - row * tiles, tiles)
-  else:
-    lo = jnp.maximum(beg - row * tiles, 0)
-    hi = jnp.minimum(end - row * tiles, tiles)
-  return lo, hi - lo
+@dataclasses.dataclass(frozen=True)
+class Stream:
+  """A stream schedule's static shape (module docstring)."""
 
+  batch: int
+  tiles: int  # a row's tiles
+  parts: int  # CTAs per head group
+  whole: int = 0  # whole rows per part, before its leftover run
 
-def boundary_row(boundary, *, total: int, parts: int, tiles: int):
-  """The row that boundary `boundary` (the start of that part) cuts, and
-  whether it cuts one (False where the boundary falls between rows)."""
-  beg = boundary * total // parts
-  return beg // tiles, beg % tiles != 0
+  def __post_init__(self):
+    assert self.tiles >= 1 and self.parts >= 1 and 0 <= self.whole * self.parts <= self.batch
 
+  @property
+  def first_left_row(self) -> int:
+    """The first leftover row."""
+    return self.parts * self.whole
 
-def boundary_rows(*, batch: int, tiles: int, parts: int) -> list[tuple[int, bool]]:
-  """`boundary_row` of boundaries 1 to `parts - 1`, in order (the stream's
-  partial `p - 1` belongs to boundary p)."""
-  total = batch * tiles
-  return [boundary_row(p, total=total, parts=parts, tiles=tiles) for p in range(1, parts)]
+  @property
+  def left_rows(self) -> int:
+    return self.batch - self.first_left_row
 
+  @property
+  def left(self) -> int:
+    """The leftover rows' tiles."""
+    return self.left_rows * self.tiles
 
-def cut_boundaries(*, batch: int, tiles: int, parts: int) -> int:
-  """How many rows the stream cuts (each into two pieces)."""
-  return sum(cut for _, cut in boundary_rows(batch=batch, tiles=tiles, parts=parts))
+  def start(self, part):
+    """Where part `part`'s leftover run starts, in leftover tiles: as even
+    as whole tiles allow, and where there are fewer tiles than parts, one
+    tile a part for the first `left` parts."""
+    if self.left >= self.parts:
+      return part * self.left // self.parts
+    return _min(part, self.left)
+
+  def first_part(self, x):
+    """The part whose leftover run holds leftover tile `x`."""
+    if self.left >= self.parts:  # the largest p with start(p) <= x
+      return ((x + 1) * self.parts - 1) // self.left
+    return x
+
+  def runs(self, part):
+    """Part `part`'s two runs as `[begin, end)` in the batch's tiles."""
+    a = part * self.whole * self.tiles
+    b = self.first_left_row * self.tiles
+    return (a, a + self.whole * self.tiles), (b + self.start(part), b + self.start(part + 1))
+
+  def run_rows(self, beg, end):
+    """The rows `[first, last)` that tiles `[beg, end)` touch (none if empty)."""
+    first = beg // self.tiles
+    last = (end + self.tiles - 1) // self.tiles
+    if all(isinstance(x, int) for x in (beg, end)):
+      return first, last if end > beg else first
+    return first, jnp.where(end > beg, last, first)
+
+  def segment(self, row, beg, end):
+    """Row `row`'s tiles inside `[beg, end)`: (first tile of the row, count)."""
+    lo = _max(beg - row * self.tiles, 0)
+    hi = _min(end - row * self.tiles, self.tiles)
+    return lo, hi - lo
+
+  def row_pieces(self, i):
+    """How many runs leftover row `i` is cut into (1: one run holds it whole)."""
+    if self.left < self.parts:
+      return self.tiles
+    x = i * self.tiles
+    return self.first_part(x + self.tiles - 1) - self.first_part(x) + 1
+
+  def piece(self, part, row):
+    """Which piece of leftover row `row` (a batch row) part `part`'s run holds."""
+    x = (row - self.first_left_row) * self.tiles
+    if self.left < self.parts:
+      return self.start(part) - x
+    return part - self.first_part(x)
+
+  @property
+  def max_pieces(self) -> int:
+    """The most pieces of a leftover row (1: none is cut)."""
+    return max((self.row_pieces(i) for i in range(self.left_rows)), default=1)
+
+  @property
+  def cut_rows(self) -> int:
+    """How many leftover rows are cut (into more than one piece)."""
+    return sum(self.row_pieces(i) > 1 for i in range(self.left_rows))

@@ -35,7 +35,7 @@ from jaxkv.kernels.sparse_mla_decode.plan import (
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
-from jaxkv.kernels.sparse_mla_decode.stream import boundary_rows
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 TOPK_MULTIPLE = 64
 MAX_TOPK = 2048
@@ -142,6 +142,7 @@ def sparse_mla_decode(
         cluster_merge=cluster_merge,
         xla_combine=config.combine == "xla",
         parts=cut.parts,
+        stream_whole=config.stream_whole,
         f16_partials=config.f16_partials and merged_after_kernel(
             config, cut=cut, in_clusters=cluster_merge),
     )
@@ -187,12 +188,12 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
                      "pad_heads", "cut_rows", "pieces", "cluster_merge", "xla_combine",
-                     "parts", "f16_partials", "kv_swizzle"),
+                     "parts", "stream_whole", "f16_partials", "kv_swizzle"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
     pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
-    f16_partials=False, kv_swizzle=128,
+    f16_partials=False, kv_swizzle=128, stream_whole=True,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // HEAD_TILE) * HEAD_TILE
@@ -221,6 +222,7 @@ def _sparse_mla_decode(
       pieces=pieces,
       cluster_merge=cluster_merge,
       parts=parts,
+      stream_whole=batch // parts if parts and stream_whole else 0,
       f16_partials=f16_partials,
   )
   o, lse, *more = call(qp, rows, indices)
@@ -231,19 +233,23 @@ def _sparse_mla_decode(
   if cluster_merge:  # the clusters merged the splits or halves: [b, heads or hp, 512], [b, ...]
     return real_heads(o, lse, heads)
   if parts:
-    # The rows cut between parts: two pieces each ([parts - 1, 2, hp, 512],
-    # [parts - 1, 2, hp] f32), merged into the rows the kernel left unwritten.
-    tiles = indices.shape[1] // TILE
+    # The leftover rows' pieces ([left_rows, max_pieces, hp, 512],
+    # [left_rows, max_pieces, hp] f32, `Stream.row_pieces` of each), merged
+    # into the rows the kernel left unwritten; a row in one piece was written.
+    stream = Stream(batch, indices.shape[1] // TILE, parts,
+                    batch // parts if stream_whole else 0)
+    if not stream.cut_rows:
+      return real_heads(o, lse, heads)
     if xla_combine:
-      # Boundaries between rows cut none: their pieces are dropped.
-      rows_cut, cuts = zip(*boundary_rows(batch=batch, tiles=tiles, parts=parts))
-      keep = np.flatnonzero(cuts)
+      counts = np.array([stream.row_pieces(i) for i in range(stream.left_rows)])
+      keep = np.flatnonzero(counts > 1)
+      present = np.arange(more[0].shape[1]) < counts[keep, None]
       return _combine_in_xla(o, lse, more, heads=heads, select=select, keep=keep,
-                             at=np.asarray(rows_cut)[keep])
+                             at=stream.first_left_row + keep, present=present)
     merge = build_piece_merge(
-        rows=parts - 1, pieces=2, heads_padded=heads_padded, out_heads=o.shape[1],
-        out_dtype=o.dtype, select=select, interpret=interpret, first_row=0,
-        stream=(batch * tiles, parts, tiles), q_heads=q_heads, **scaled)
+        rows=stream.left_rows, pieces=more[0].shape[1], heads_padded=heads_padded,
+        out_heads=o.shape[1], out_dtype=o.dtype, select=select, interpret=interpret,
+        first_row=stream.first_left_row, stream=stream, q_heads=q_heads, **scaled)
     return real_heads(*merge(*more, o, lse), heads)
   if num_splits == 1:  # the kernel wrote the result: [b, heads or hp, 512], [b, ...]
     if not cut_rows:
@@ -272,16 +278,21 @@ def _sparse_mla_decode(
   return real_heads(*merge(o, lse, *more), heads)
 
 
-def _combine_in_xla(o, lse, more, *, heads, select, at, keep=slice(None)):
+def _combine_in_xla(o, lse, more, *, heads, select, at, keep=slice(None), present=None):
   """The cut rows' pieces (`more`: `[cuts, pieces, hp, 512]` and `[cuts,
   pieces, hp]`, and float16 pieces' scales; those at `keep`) merged by
   `combine_splits` and updated into the kernel's result at rows `at` (a
   slice: the last rows; an index array: the stream's cut rows)
-  (`SparseMLADecodeConfig.combine="xla"`)."""
+  (`SparseMLADecodeConfig.combine="xla"`). `present`: None, or a `[rows
+  kept, pieces]` bool array, False for a slot that holds no piece (the
+  stream's rows of fewer pieces than the most): never used."""
   out, lse = real_heads(o, lse, heads)
   pieces = more[0] if len(more) == 2 else unscaled(more[0], more[2])
-  cut_o, cut_lse = combine_splits(pieces[keep, :, :heads], more[1][keep, :, :heads],
-                                  empty_nan=not select)
+  cut_o, cut_lse = pieces[keep, :, :heads], more[1][keep, :, :heads]
+  if present is not None:
+    cut_o = jnp.where(present[:, :, None, None], cut_o, 0.0)
+    cut_lse = jnp.where(present[:, :, None], cut_lse, -jnp.inf)
+  cut_o, cut_lse = combine_splits(cut_o, cut_lse, empty_nan=not select)
   # Updated in place. The barrier keeps XLA's GPU dynamic-slice fusion
   # from taking the kernel's call into the update of its own output, where
   # it finds a cycle and fails (jax 0.11.2). Slices and a concatenation in
