@@ -94,10 +94,12 @@ class SparseMLADecodeConfig:
       (2 x 128 heads at 16 splits 17.4 -> 14.5 µs, 67 x 128 with one row in 8
       pieces 94.0 -> 92.8; NOTES.md).
     parts: with one split, run the batch as the stream schedule
-      (`stream.py`): `parts` CTAs per head group, each over an equal run of
-      the batch's top-k tiles laid end to end, a row cut between two runs
-      merged afterwards (`piece_merge`). It needs `batch >= parts`. None:
-      `plan.wave_plan`'s choice; 0: never. Not with `cut_rows` or `cluster_merge`.
+      (`stream.py`): `parts` CTAs per head group, each over an equal share
+      of the batch's top-k tiles (its own whole rows first, with
+      `stream_whole`, then a run of the others' tiles laid end to end), a
+      row cut between runs merged afterwards (`piece_merge`). It needs
+      `batch >= parts`. None: `plan.wave_plan`'s choice; 0: never. Not with
+      `cut_rows` or `cluster_merge`.
     stream_whole: with the stream, each part first takes `batch // parts`
       whole rows of its own, and only the other rows' tiles are laid end to
       end in equal runs behind them (`stream.Stream`): the same tiles a

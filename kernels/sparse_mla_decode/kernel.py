@@ -6,8 +6,9 @@ after the whole rows' CTAs: a batch whose CTAs overrun one wave then ends on
 short pieces. On the H200 at top-k 2048, halves took 96 × 128 heads from
 145.4 to 127.1 µs and 150 × 64 from 153.9 to 140.8, merge included. With
 `parts`, the stream schedule of `stream.py` instead: one CTA per head group
-and run of the batch's tiles laid end to end, walking its rows segment by
-segment, as dense decode's parts do.)
+and equal share of the batch's tiles (whole rows of its own, then a run of
+the other rows' tiles laid end to end), walking its rows segment by segment,
+as dense decode's parts do.)
 
 A row's keys are arbitrary cache slots. Warpgroup 2, the producer, gathers
 each 64-row tile of them straight into the swizzled wgmma operand tiles of a
