@@ -37,7 +37,8 @@ check with each. `--parts` times each one-split variant with
 "off" (0: no stream schedule) or N parts per head group ("sms": the
 device's SMs over the head groups), each with the suffix "/plain" for
 `SparseMLADecodeConfig.stream_whole=False` (every row's tiles laid end to
-end; with "auto", the plan's choice under it); a stream's result is compared with the
+end; with "auto", the plan's choice under it) or "/whole" for True (whole
+rows first; without a suffix, the plan's rule); a stream's result is compared with the
 first variant's (within a bf16 rounding, NaN in the same places), and the NaN
 and outside-the-cache checks also run with the rows streamed in 6 parts.
 `--f16-partials` times each variant whose partials a merge after the kernel
@@ -100,17 +101,19 @@ def _time_parts(fn, *args) -> tuple[float, float]:
 
 
 
-def _parts(value: str, heads: int) -> tuple[int | None, bool]:
+def _parts(value: str, heads: int) -> tuple[int | None, bool | None]:
   """`--parts`' value: (None (the plan's), 0 (off) or a count of parts;
-  `SparseMLADecodeConfig.stream_whole`, False with the suffix "/plain")."""
-  value, plain = value.removesuffix("/plain"), value.endswith("/plain")
+  `SparseMLADecodeConfig.stream_whole`: None (the plan's rule), False with
+  the suffix "/plain", True with "/whole")."""
+  value, _, suffix = value.partition("/")
+  whole = {"": None, "plain": False, "whole": True}[suffix]
   if value == "auto":
-    return None, not plain
+    return None, whole
   if value == "off":
-    return 0, not plain
+    return 0, whole
   if value == "sms":
-    return num_sms() // -(-heads // 64), not plain
-  return int(value), not plain
+    return num_sms() // -(-heads // 64), whole
+  return int(value), whole
 
 
 def main(argv=None) -> int:
@@ -281,7 +284,7 @@ def main(argv=None) -> int:
                    f"{'/so' if so else ''}{'/pad' if ph else ''}"
                    f"{'' if cm is None else '/cm' if cm else '/xc'}"
                    f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}"
-                   f"{'' if len(parts) == 1 else f'/p{pt[0]}' + ('' if pt[1] else 'plain')}"
+                   f"{'' if len(parts) == 1 else f'/p{pt[0]}' + {None: '', False: 'plain', True: 'whole'}[pt[1]]}"
                    f"{'/f16p' if fp and len(f16s) > 1 else ''}", t * 1e6,
                    t_kernel * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,

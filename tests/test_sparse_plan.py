@@ -301,3 +301,23 @@ def test_wave_plan_counts_the_devices_sms(request):
       batch=2, num_heads=128, topk=2048, num_sms=114)
   assert heuristic_config(batch=2, num_heads=128, topk=2048, num_sms=114) != heuristic_config(
       batch=2, num_heads=128, topk=2048, num_sms=132)
+
+
+def test_stream_whole_rule_and_validation():
+  """`stream_whole=None`: whole rows first at one head group always, at two
+  where the leftover runs average 4 tiles a part or more (83 x 128: 8.2;
+  140 x 128: 3.9; 200 x 128: 1.0); True and False force it. Anything but
+  None or a bool is refused."""
+  from jaxkv.kernels.sparse_mla_decode.plan import stream_whole_pays, stream_whole_rows
+
+  pays = lambda b, h: stream_whole_pays(batch=b, num_heads=h, tiles=32,
+                                        parts=132 // -(-h // 64))
+  assert pays(83, 128) and pays(87, 128) and not pays(140, 128) and not pays(200, 128)
+  assert pays(270, 64) and pays(400, 64) and pays(300, 16) and pays(133, 64)
+  rows = lambda w, b, h: stream_whole_rows(w, batch=b, num_heads=h, tiles=32,
+                                           parts=132 // -(-h // 64))
+  assert rows(None, 83, 128) == 1 and rows(None, 200, 128) == 0 and rows(True, 200, 128) == 3
+  assert rows(False, 270, 64) == 0 and rows(None, 270, 64) == 2
+  for bad in (0, 1, "yes"):
+    with pytest.raises((TypeError, ValueError), match="stream_whole"):
+      SparseMLADecodeConfig(stream_whole=bad)

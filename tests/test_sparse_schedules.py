@@ -162,7 +162,7 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
 
 @pytest.mark.parametrize(
     "heads, mode, batch, tiles, parts, combine, whole",
-    [(64, "select", 5, 2, 3, "kernel", False), (128, "multiply", 5, 2, 3, "kernel", True),
+    [(64, "select", 5, 2, 3, "kernel", False), (128, "multiply", 5, 2, 3, "kernel", None),
      (16, "select", 6, 2, 4, "xla", False), (64, "multiply", 4, 2, 2, "kernel", False),
      (64, "select", 7, 3, 5, "kernel", True), (16, "select", 7, 3, 5, "xla", True),
      (64, "select", 4, 2, 3, "kernel", True), (128, "select", 6, 2, 3, "kernel", True)],
@@ -175,7 +175,8 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole):
   whole row, a row's first tile); 6 rows in 4 parts (rows 1 and 4 cut); 4
   rows in 2 parts (the boundary between rows 1 and 2: nothing cut). Whole
   rows first: 5 rows in 3 parts (rows 0-2 whole, row 3 in two pieces, row
-  4 whole in part 2's run); 7 rows of 3 tiles in 5 parts (row 5 in three
+  4 whole in part 2's run; at 128 heads, `stream_whole=None`: the plan's
+  rule lays them end to end, two leftover tiles for three parts); 7 rows of 3 tiles in 5 parts (row 5 in three
   pieces, row 6 in two: a slot of no piece); 4 rows of 2 tiles in 3 parts
   (fewer leftover tiles than parts: part 2's run is empty); 6 rows in 3
   parts (two whole rows each, nothing cut). Row 1's first tile holds no

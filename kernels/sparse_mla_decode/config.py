@@ -106,10 +106,13 @@ class SparseMLADecodeConfig:
       part, but far fewer rows cut, in more pieces (83 x 128 heads: 17 rows
       a head group in 4-5 pieces, against 63 in two), so the merge after
       the kernel reads and writes about half the bytes. False: every row's
-      tiles laid end to end. On an H100 (top-k 2048, 2026-12-06) it took 270 x
-      64 heads from 252 to 242 µs, 400 x 64 from 361 to 346 and 180 x 64 from
-      175 to 168; at 128 heads it was level within the spread (83 x 128
-      0.98-1.01, 140 x 128 0.99, 200 x 128 1.01; NOTES.md).
+      tiles laid end to end. None: `plan.stream_whole_pays` (one head group
+      always; two where the leftover runs average 4 tiles or more). On an
+      H100 (top-k 2048, 2026-12-06) it took 270 x 64 heads from 252 to 242
+      µs, 400 x 64 from 361 to 346 and 180 x 64 from 175 to 168; at 128
+      heads 83 x 128 0.98-1.01 of the plain layout's time over three runs,
+      140 x 128 0.99-1.01, and 200 x 128 (one-tile pieces) 1.013-1.025
+      (NOTES.md).
     f16_partials: the split or piece partials that a merge after the kernel
       reads (the combine kernel's or XLA's; not a cluster's, which stay
       float32) go out in float16, each head row's channel half divided by the
@@ -143,7 +146,7 @@ class SparseMLADecodeConfig:
   cluster_merge: bool | None = None
   combine: str = "kernel"
   parts: int | None = None
-  stream_whole: bool = True
+  stream_whole: bool | None = None
   f16_partials: bool = True
   kv_swizzle: int = 128
 
@@ -162,8 +165,8 @@ class SparseMLADecodeConfig:
       raise ValueError(f"{self.stage_out=} must be a bool")
     if not isinstance(self.f16_partials, bool):
       raise ValueError(f"{self.f16_partials=} must be a bool")
-    if not isinstance(self.stream_whole, bool):
-      raise ValueError(f"{self.stream_whole=} must be a bool")
+    if not (self.stream_whole is None or isinstance(self.stream_whole, bool)):
+      raise ValueError(f"stream_whole={self.stream_whole!r} must be None or a bool")
     rows = self.cut_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
       raise ValueError(f"cut_rows={rows!r} must be None or an int >= 0")

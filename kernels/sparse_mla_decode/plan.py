@@ -65,6 +65,11 @@ STREAM_TILE_US = {1: 2.53, 2: 2.27}
 STREAM_FIXED_US = {1: 19.9, 2: 8.3}
 STREAM_MERGE_US = 1.5
 STREAM_MERGE_TILE_US = 0.015
+# Whole rows first in the stream (`stream_whole_pays`): at two head groups only
+# where the leftover runs average this many tiles a part. On an H100
+# (2026-12-06) one head group gained 1-9% at every shape; two were level at 4-10
+# tiles a part (83, 87, 140 x 128) and 1.3-2.5% slower at one (200 x 128).
+STREAM_WHOLE_MIN_TILES = 4
 
 
 def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
@@ -111,14 +116,31 @@ def plan_cost(*, batch: int, num_heads: int, tiles: int, cut: RowCut,
   return span + COMBINE_US + COMBINE_PIECE_US * cut.pieces + COMBINE_MB_US * partials_mb
 
 
+def stream_whole_pays(*, batch: int, num_heads: int, tiles: int, parts: int) -> bool:
+  """Whether the stream gives each part its whole rows first
+  (`SparseMLADecodeConfig.stream_whole=None`): at one head group always; at
+  two where the leftover runs average `STREAM_WHOLE_MIN_TILES` tiles or more."""
+  left = (batch - batch // parts * parts) * tiles
+  return -(-num_heads // 64) == 1 or left >= STREAM_WHOLE_MIN_TILES * parts
+
+
+def stream_whole_rows(whole: bool | None, *, batch: int, num_heads: int, tiles: int,
+                      parts: int) -> int:
+  """Whole rows per part (`stream.Stream.whole`) for `SparseMLADecodeConfig.stream_whole`."""
+  if whole is None:
+    whole = stream_whole_pays(batch=batch, num_heads=num_heads, tiles=tiles, parts=parts)
+  return batch // parts if whole else 0
+
+
 def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
-                whole: bool = True) -> float:
+                whole: bool | None = None) -> float:
   """The stream schedule's modelled time (µs): its longest part (every CTA
   streams the whole time), plus the merge of the rows it cuts (`whole`:
   `SparseMLADecodeConfig.stream_whole`)."""
   groups = min(-(-num_heads // 64), 2)
   span = STREAM_FIXED_US[groups] + -(-batch * tiles // parts) * STREAM_TILE_US[groups]
-  stream = Stream(batch, tiles, parts, batch // parts if whole else 0)
+  stream = Stream(batch, tiles, parts, stream_whole_rows(
+      whole, batch=batch, num_heads=num_heads, tiles=tiles, parts=parts))
   if not stream.cut_rows:
     return span
   pieces = sum(n for n in map(stream.row_pieces, range(stream.left_rows)) if n > 1)
@@ -130,7 +152,7 @@ def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
 def wave_plan(
     *, batch: int, num_heads: int, topk: int, num_splits: int, pieces: int | None = None,
     pairs_only: bool = False, stream: bool = True, num_sms: int = DEFAULT_SMS,
-    stream_whole: bool = True,
+    stream_whole: bool | None = None,
 ) -> RowCut:
   """The rows to cut and their pieces (`SparseMLADecodeConfig.cut_rows=None`).
 

@@ -32,6 +32,7 @@ from jaxkv.kernels.sparse_mla_decode.plan import (
     merged_after_kernel,
     merges_in_cluster,
     rows_to_cut,
+    stream_whole_rows,
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
@@ -193,7 +194,7 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
     pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
-    f16_partials=False, kv_swizzle=128, stream_whole=True,
+    f16_partials=False, kv_swizzle=128, stream_whole=None,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // HEAD_TILE) * HEAD_TILE
@@ -222,7 +223,8 @@ def _sparse_mla_decode(
       pieces=pieces,
       cluster_merge=cluster_merge,
       parts=parts,
-      stream_whole=batch // parts if parts and stream_whole else 0,
+      stream_whole=stream_whole_rows(stream_whole, batch=batch, num_heads=heads,
+                                     tiles=indices.shape[1] // TILE, parts=parts) if parts else 0,
       f16_partials=f16_partials,
   )
   o, lse, *more = call(qp, rows, indices)
@@ -236,8 +238,9 @@ def _sparse_mla_decode(
     # The leftover rows' pieces ([left_rows, max_pieces, hp, 512],
     # [left_rows, max_pieces, hp] f32, `Stream.row_pieces` of each), merged
     # into the rows the kernel left unwritten; a row in one piece was written.
-    stream = Stream(batch, indices.shape[1] // TILE, parts,
-                    batch // parts if stream_whole else 0)
+    tiles = indices.shape[1] // TILE
+    stream = Stream(batch, tiles, parts, stream_whole_rows(
+        stream_whole, batch=batch, num_heads=heads, tiles=tiles, parts=parts))
     if not stream.cut_rows:
       return real_heads(o, lse, heads)
     if xla_combine:
