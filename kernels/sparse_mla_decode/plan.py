@@ -166,8 +166,9 @@ def wave_plan(
   beats the whole rows' waves by `PLAN_MARGIN`. With `stream` (and neither
   `pieces` nor `pairs_only`), the stream schedule of `num_sms / groups` CTAs
   per head group (`stream_cost`, with `stream_whole`) where it beats that
-  choice by `PLAN_MARGIN` too, at any batch past one wave. No cut with several splits, within one
-  wave, past two waves (but the stream), and for a one-tile list.
+  choice by `PLAN_MARGIN` too, at any batch past one wave. No cut with
+  several splits, within one wave, past two waves (but the stream), and for
+  a one-tile list.
   """
   tiles = topk // TILE
   none = RowCut(0, 2)

@@ -206,6 +206,10 @@ def _sparse_mla_decode(
   if q_heads != heads:
     qp = jnp.pad(qp, ((0, 0), (0, heads_padded - heads), (0, 0)))
   rows = cache.reshape(-1, MLA_HEAD_DIM)
+  tiles = indices.shape[1] // TILE
+  # The stream's whole rows per part, before its leftover run.
+  whole_rows = parts and stream_whole_rows(stream_whole, batch=batch, num_heads=heads,
+                                           tiles=tiles, parts=parts)
   call = _kernel.build_kernel(
       batch=batch,
       heads_padded=heads_padded,
@@ -223,8 +227,7 @@ def _sparse_mla_decode(
       pieces=pieces,
       cluster_merge=cluster_merge,
       parts=parts,
-      stream_whole=stream_whole_rows(stream_whole, batch=batch, num_heads=heads,
-                                     tiles=indices.shape[1] // TILE, parts=parts) if parts else 0,
+      stream_whole=whole_rows,
       f16_partials=f16_partials,
   )
   o, lse, *more = call(qp, rows, indices)
@@ -238,9 +241,7 @@ def _sparse_mla_decode(
     # The leftover rows' pieces ([left_rows, max_pieces, hp, 512],
     # [left_rows, max_pieces, hp] f32, `Stream.row_pieces` of each), merged
     # into the rows the kernel left unwritten; a row in one piece was written.
-    tiles = indices.shape[1] // TILE
-    stream = Stream(batch, tiles, parts, stream_whole_rows(
-        stream_whole, batch=batch, num_heads=heads, tiles=tiles, parts=parts))
+    stream = Stream(batch, tiles, parts, whole_rows)
     if not stream.cut_rows:
       return real_heads(o, lse, heads)
     if xla_combine:
