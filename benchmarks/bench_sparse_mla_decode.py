@@ -38,8 +38,8 @@ check with each. `--parts` times each one-split variant with
 device's SMs over the head groups), each with the suffix "/plain" for
 `SparseMLADecodeConfig.stream_whole=False` (every row's tiles laid end to
 end; with "auto", the plan's choice under it) or "/whole" for True (whole
-rows first; without a suffix, the plan's rule); a stream's result is compared with the
-first variant's (within a bf16 rounding, NaN in the same places), and the NaN
+rows first; without a suffix, the plan's rule); a stream's result is
+compared with the first variant's (within a bf16 rounding, NaN in the same places), and the NaN
 and outside-the-cache checks also run with the rows streamed in 6 parts.
 `--f16-partials` times each variant whose partials a merge after the kernel
 reads with `SparseMLADecodeConfig.f16_partials` set to each value, compares

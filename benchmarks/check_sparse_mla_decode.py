@@ -105,7 +105,7 @@ def check_variants(args, cut_rows):
   whole rows first and not, where `--parts` asks for a count: `(parts,
   stream_whole)` pairs) and the `f16_partials` values they run."""
   base = pallas_config(args.splits, 16, 64, cut_rows=cut_rows, pieces=args.pieces)
-  asked = {v.removesuffix("/plain") for v in args.parts}
+  asked = {v.partition("/")[0] for v in args.parts}  # (without "/plain" or "/whole")
   streams = [(6, True), (6, False)] if asked - {"auto", "off"} else []
   f16_checks = [bool(v) for v in args.f16_partials or [base.f16_partials]]
   return base, streams, f16_checks

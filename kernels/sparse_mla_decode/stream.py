@@ -15,10 +15,11 @@ is cut into pieces, one per run (`row_pieces` of them, in order along the
 row), piece j of leftover row i at `[i, j]` of the pieces' outputs, which
 `piece_merge` merges into the result in place.
 
-With `whole = batch // parts` (`SparseMLADecodeConfig.stream_whole`, the
-default) few rows are cut: at 83 rows x 128 heads in 66 parts per head
-group, 17 rows per head group in 4-5 pieces, against 65 rows in two with
-`whole = 0`; the merge reads and writes about half the bytes.
+With `whole = batch // parts` (`SparseMLADecodeConfig.stream_whole`; by
+default where `plan.stream_whole_pays`) few rows are cut: at 83 rows x 128
+heads in 66 parts per head group, 17 rows per head group in 4-5 pieces,
+against 63 rows in two with `whole = 0`; the merge reads and writes about
+half the bytes.
 
 Unlike rows cut into pieces behind a wave of whole rows (`plan.wave_plan`),
 every CTA ends at about the same time whatever the batch.
