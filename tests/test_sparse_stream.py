@@ -39,7 +39,7 @@ def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
           for row, lo, n in part:
             covered.setdefault(row, []).append((lo, n, p))
         assert sorted(covered) == list(range(batch))
-        cut = 0
+        cut = cut_pieces = 0
         for row, pieces in covered.items():
           assert [lo for lo, _, _ in pieces] == [0] + [lo + n for lo, n, _ in pieces[:-1]]
           assert sum(n for _, n, _ in pieces) == tiles
@@ -49,7 +49,8 @@ def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
           assert stream.row_pieces(row - stream.first_left_row) == len(pieces)
           assert [stream.piece(p, row) for _, _, p in pieces] == list(range(len(pieces)))
           cut += len(pieces) > 1
-        assert cut == stream.cut_rows
+          cut_pieces += len(pieces) if len(pieces) > 1 else 0
+        assert (cut, cut_pieces) == (stream.cut_rows, stream.cut_pieces)
         assert stream.max_pieces == max(
             [len(v) for r, v in covered.items() if r >= stream.first_left_row], default=1)
 

@@ -143,8 +143,7 @@ def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
       whole, batch=batch, num_heads=num_heads, tiles=tiles, parts=parts))
   if not stream.cut_rows:
     return span
-  pieces = sum(n for n in map(stream.row_pieces, range(stream.left_rows)) if n > 1)
-  tiles_moved = (pieces + stream.cut_rows) * -(-num_heads // 64)
+  tiles_moved = (stream.cut_pieces + stream.cut_rows) * -(-num_heads // 64)
   return span + STREAM_MERGE_US + STREAM_MERGE_TILE_US * tiles_moved
 
 

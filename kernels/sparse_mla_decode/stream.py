@@ -126,3 +126,8 @@ class Stream:
   def cut_rows(self) -> int:
     """How many leftover rows are cut (into more than one piece)."""
     return sum(self.row_pieces(i) > 1 for i in range(self.left_rows))
+
+  @property
+  def cut_pieces(self) -> int:
+    """How many pieces the cut rows have in all (what the merge reads)."""
+    return sum(n for n in map(self.row_pieces, range(self.left_rows)) if n > 1)
