@@ -74,12 +74,14 @@ def ranges(trace_path):
   return out
 
 
-def report(rr):
+def report(rr, regions=K.REGIONS, max_ranges=L.PROFILE_RANGES):
+  """Prints a trace's spans, its regions' (`regions`) cycles by role and the
+  span fit (`max_ranges`: the ranges a warpgroup records)."""
   ctas = sorted({c for c, _ in rr})
   n = len(ctas)
-  full = sum(1 for v in rr.values() if len(v) >= L.PROFILE_RANGES)
+  full = sum(1 for v in rr.values() if len(v) >= max_ranges)
   if full:
-    print(f"warning: {full} warpgroup traces hit {L.PROFILE_RANGES} ranges and were cut short")
+    print(f"warning: {full} warpgroup traces hit {max_ranges} ranges and were cut short")
   # Within a CTA the trace's timestamps count thousands of SM clock cycles.
   span, tiles, segs, start = [], [], [], []
   for c in ctas:
@@ -115,7 +117,7 @@ def report(rr):
             f"{tiles[c]} tiles, segments of {seg_tiles(ctas[c])} tiles")
   print("role        region           kcycles per CTA   count per CTA   cycles each")
   for w in range(L.NUM_THREADS):
-    for region in K.REGIONS:
+    for region in regions:
       xs = [z - a for c in ctas for nm, a, z in rr.get((c, w), []) if nm == region]
       if xs:
         print(f"{ROLES[w]:11s} {region:16s} {sum(xs) / n:14.1f} "

@@ -288,7 +288,7 @@ def unscaled(bits, scale):
 
 
 def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_dir=None,
-           cluster=(), cluster_names=()):
+           profile_ranges=PROFILE_RANGES, cluster=(), cluster_names=()):
   """The launch of both MLA decode kernels: three warpgroups ("wg") per CTA.
 
   The last grid axis varies fastest: make it the head group, so that the
@@ -304,7 +304,9 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
     kernel_name: the name profiles show.
     interpret: None (compiled) or the interpreter's parameters.
     profile_dir: where the in-kernel profiler writes each call's trace (it
-      records `PROFILE_RANGES` ranges per warpgroup; None: no profiler).
+      records `profile_ranges` ranges per warpgroup; None: no profiler).
+    profile_ranges: the ranges per warpgroup the profiler's SMEM buffer
+      holds (3 x 16 B each; what the kernel leaves free bounds it).
     cluster, cluster_names: the CTAs of a cluster and their axis names (none:
       no clusters).
 
@@ -322,7 +324,7 @@ def launch(body, *, grid, grid_names, out_type, kernel_name, interpret, profile_
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, unsafe_no_auto_barriers=True,
-          **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir,
+          **(dict(profile_space=profile_ranges, profile_dir=profile_dir,
                   profile_bounds_check=True) if profile_dir else {}),
       ),
       kernel_name=kernel_name,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -23,6 +24,7 @@ from jaxkv.kernels.mla_decode.layout import (
 from jaxkv.kernels.mla_decode.seesaw import (
     fences_every_p,
     query_head,
+    region_scope,
     seesaw_begin,
     seesaw_end,
     seesaw_row_sums,
@@ -65,7 +67,8 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
     """A segment's n tiles, the CTA's tiles `steps` on: (acc, m, l_own).
     Where `hold` (a traced bool), the last tile's stage is not released:
     the caller stages the result in it first."""
-    plgpu.barrier_wait(smem.q_bar)
+    with jax.named_scope("query_wait"):
+      plgpu.barrier_wait(smem.q_bar)
     # The RoPE part of the query lives in registers (16 per thread).
     # (The interpreter cannot take a register operand for a wgmma into an
     # accumulator ref: it reads it from SMEM.)
@@ -81,19 +84,25 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
   def tile_step(i, carry, *, steps, q_rope, q_head, hold=None):
     i = steps + i  # the CTA's tile
     stage = lax.rem(i, NUM_STAGES)
-    if compiled:
-      parity = lax.rem(i // NUM_STAGES, 2)
-      for ph in range(2):
-        pl.when(parity == ph)(
-            lambda ph=ph: wait_barrier(smem.landed.at[stage], parity=ph)
-        )
-    else:
-      plgpu.barrier_wait(smem.ready_bar.at[stage])
+    with jax.named_scope("kv_wait"):
+      if compiled:
+        parity = lax.rem(i // NUM_STAGES, 2)
+        for ph in range(2):
+          pl.when(parity == ph)(
+              lambda ph=ph: wait_barrier(smem.landed.at[stage], parity=ph)
+          )
+      else:
+        plgpu.barrier_wait(smem.ready_bar.at[stage])
+    with jax.named_scope("tile"):
+      return _tile_body(i, stage, carry, q_rope=q_rope, q_head=q_head, hold=hold)
+
+  def _tile_body(i, stage, carry, *, q_rope, q_head, hold):
     # Our slots' indices, from SMEM at the point of use (a loop-carried
     # prefetch from GMEM cost ~16%: see NOTES.md, v5-v6).
     idx = plgpu.load(smem.stage_idx.at[stage, slots], layout=col_layout, optimized=False)
 
-    s = tile_scores(smem.q_lat, q_rope, k_lat, smem.k_rope, stage, slots, q_head=q_head)
+    with region_scope(launch.tile_regions)("qk"):
+      s = tile_scores(smem.q_lat, q_rope, k_lat, smem.k_rope, stage, slots, q_head=q_head)
     valid = lax.broadcast_in_dim(cta.inside(idx), s.shape, [1])
     s = jnp.where(valid, s * launch.scale_log2, -jnp.inf)
     # m starts at a finite floor below any score, so a row with no
@@ -101,7 +110,7 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
     pv = tile_pv(whole=launch.whole_pv, k_lat=k_lat, slot=stage, wg=wg, p_smem=smem.p_smem,
                  p_scratch=smem.p_scratch, compiled=compiled)
     carry = seesaw_tile(wg, s, carry, pv=pv, xchg=xchg, p_smem=smem.p_smem, bars=bars,
-                        whole_pv=launch.whole_pv, fence=p_fence)
+                        whole_pv=launch.whole_pv, fence=p_fence, regions=launch.tile_regions)
     if hold is None:
       plgpu.barrier_arrive(free_bar.at[stage])
     else:
@@ -173,29 +182,30 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
       if stage_out or f16:
         hold = (whole if stage_out else False) | (~whole if f16 else False)
       acc, m_i, l_own = tiles(n, steps, hold=hold)
-      if not p_fence:
-        # The next segment's RoPE query lands in P's tile by TMA: our last
-        # P writes go to the async proxy before we release it.
-        plgpu.commit_smem()
-      plgpu.barrier_arrive(smem.q_free_bar)  # both QKs and PVs of the query are done
-      l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=True)
-      o, lse = softmax_finish(acc, m_i, l_i)
-      last = lax.rem(steps + n - 1, NUM_STAGES)  # the stage of the row's last tile
+      with jax.named_scope("epilogue"):
+        if not p_fence:
+          # The next segment's RoPE query lands in P's tile by TMA: our last
+          # P writes go to the async proxy before we release it.
+          plgpu.commit_smem()
+        plgpu.barrier_arrive(smem.q_free_bar)  # both QKs and PVs of the query are done
+        l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=True)
+        o, lse = softmax_finish(acc, m_i, l_i)
+        last = lax.rem(steps + n - 1, NUM_STAGES)  # the stage of the row's last tile
 
-      @pl.when(whole)
-      def _():
-        store_result(o, lse, l_i, row=row, stage=last)
-        if stage_out:  # the copy has read the stage: the producer may refill it
-          plgpu.barrier_arrive(free_bar.at[last])
+        @pl.when(whole)
+        def _():
+          store_result(o, lse, l_i, row=row, stage=last)
+          if stage_out:  # the copy has read the stage: the producer may refill it
+            plgpu.barrier_arrive(free_bar.at[last])
 
-      @pl.when(~whole)
-      def _():  # a piece of a leftover row: `[row's index among them, piece]`
-        at = (jnp.clip(row - stream.first_left_row, 0, cut_o.shape[0] - 1),
-              jnp.clip(stream.piece(b, row), 0, cut_o.shape[1] - 1))
-        store_partial(cut_o.at[at], cut_lse.at[at], o, lse,
-                      scale_dst=cut_scale[0].at[at] if f16 else None, stage=last)
-        if f16:  # the copy has read the stage: the producer may refill it
-          plgpu.barrier_arrive(free_bar.at[last])
+        @pl.when(~whole)
+        def _():  # a piece of a leftover row: `[row's index among them, piece]`
+          at = (jnp.clip(row - stream.first_left_row, 0, cut_o.shape[0] - 1),
+                jnp.clip(stream.piece(b, row), 0, cut_o.shape[1] - 1))
+          store_partial(cut_o.at[at], cut_lse.at[at], o, lse,
+                        scale_dst=cut_scale[0].at[at] if f16 else None, stage=last)
+          if f16:  # the copy has read the stage: the producer may refill it
+            plgpu.barrier_arrive(free_bar.at[last])
 
       return steps + n
 
@@ -207,26 +217,27 @@ def consume(wg: int, launch: Launch, cta: Cta, smem: Smem, o_ref, lse_ref, more_
     return
   acc, m_i, l_own = tiles(cta.n_tiles, 0)
   seesaw_end(wg, bars)
-  l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=False)
-  o, lse = softmax_finish(acc, m_i, l_i)
-  whole, part = cta.whole, cta.part
-  # A split's or piece's last stage: no tile of the CTA's comes after it, so
-  # the producer refills it no more (float16 partials go out through it).
-  last = lax.rem(cta.n_tiles - 1, NUM_STAGES)
-  if cut_rows:
-    cut_o, cut_lse, *cut_scale = more_refs
-    pl.when(whole)(lambda: store_result(o, lse, l_i))
-    if launch.cluster_merge:
-      pl.when(~whole)(lambda: merge_in_cluster(cut_o.at[part], cut_lse.at[part], o, lse))
+  with jax.named_scope("epilogue"):
+    l_i = seesaw_row_sums(wg, l_own, xchg, smem.sync_bar, reuse=False)
+    o, lse = softmax_finish(acc, m_i, l_i)
+    whole, part = cta.whole, cta.part
+    # A split's or piece's last stage: no tile of the CTA's comes after it, so
+    # the producer refills it no more (float16 partials go out through it).
+    last = lax.rem(cta.n_tiles - 1, NUM_STAGES)
+    if cut_rows:
+      cut_o, cut_lse, *cut_scale = more_refs
+      pl.when(whole)(lambda: store_result(o, lse, l_i))
+      if launch.cluster_merge:
+        pl.when(~whole)(lambda: merge_in_cluster(cut_o.at[part], cut_lse.at[part], o, lse))
+      else:
+        pl.when(~whole)(lambda: store_partial(
+            cut_o.at[part, cta.piece], cut_lse.at[part, cta.piece], o, lse,
+            scale_dst=cut_scale[0].at[part, cta.piece] if f16 else None, stage=last))
+    elif launch.cluster_merge:
+      part_o, part_lse = more_refs
+      merge_in_cluster(part_o.at[b], part_lse.at[b], o, lse)
+    elif launch.direct:
+      store_result(o, lse, l_i)
     else:
-      pl.when(~whole)(lambda: store_partial(
-          cut_o.at[part, cta.piece], cut_lse.at[part, cta.piece], o, lse,
-          scale_dst=cut_scale[0].at[part, cta.piece] if f16 else None, stage=last))
-  elif launch.cluster_merge:
-    part_o, part_lse = more_refs
-    merge_in_cluster(part_o.at[b], part_lse.at[b], o, lse)
-  elif launch.direct:
-    store_result(o, lse, l_i)
-  else:
-    store_partial(o_ref.at[b, cta.split], lse_ref.at[b, cta.split], o, lse,
-                  scale_dst=more_refs[0].at[b, cta.split] if f16 else None, stage=last)
+      store_partial(o_ref.at[b, cta.split], lse_ref.at[b, cta.split], o, lse,
+                    scale_dst=more_refs[0].at[b, cta.split] if f16 else None, stage=last)

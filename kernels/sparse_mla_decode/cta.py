@@ -48,6 +48,7 @@ class Launch:
   stage_out: bool  # the kernel's own result of a whole row, staged
   stage_merged: bool  # a cluster's merged result, staged
   f16_partials: bool  # partials for the merge after the kernel: float16, staged
+  tile_regions: bool = False  # profile regions inside a tile (`kernel.REGIONS`)
 
   @property
   def direct(self) -> bool:

@@ -97,6 +97,16 @@ from jaxkv.kernels.sparse_mla_decode.producer import produce
 # Slots per pipeline step (the config's divisibility unit): each consumer
 # scores half.
 assert TILE == 2 * SLOT_HALF
+# Named regions of the in-kernel profile (see `build_kernel(profile_dir=)`).
+REGIONS = (
+    "query_wait", "kv_wait", "tile", "epilogue",  # consumers
+    "qk", "handoff_wait", "pv",  # consumers, inside "tile" (`tile_regions`)
+    "stage_wait", "issue", "query_free_wait",  # producer
+    "ids_wait",  # producer, before "stage_wait" (`tile_regions`)
+)
+# Ranges per warpgroup the profiler records: this kernel leaves ~5 KB of SMEM
+# free (3 x 16 B per range), about 40 tiles' two ranges a consumer.
+PROFILE_RANGES = 96
 
 
 def build_kernel(
@@ -119,6 +129,8 @@ def build_kernel(
     parts: int = 0,
     stream_whole: int = 0,
     f16_partials: bool = False,
+    profile_dir: str | None = None,
+    tile_regions: bool = False,
 ):
   """Builds the kernel call.
 
@@ -211,7 +223,16 @@ def build_kernel(
   more, the scales, f32 `[..., 2, heads_padded]` by channel half. (A later
   tile of the stage never reads those bits: an invalid id's row is
   zero-filled.)
+
+  With `profile_dir` (compiled calls only), every call also writes a trace
+  of the `REGIONS` each warpgroup of each CTA went through (Mosaic GPU's
+  profiler, SM clock cycles; `benchmarks/profile_sparse_mla_decode.py`
+  reads it), at most `PROFILE_RANGES` ranges per warpgroup: two per tile
+  for the consumers and the producer, three more (one more) with
+  `tile_regions` (a CTA of ~40 tiles fits, ~15 with `tile_regions`).
   """
+  if profile_dir and interpret is not None:
+    raise ValueError("profile_dir needs a compiled kernel (interpret=None)")
   assert topk % (TILE * num_splits) == 0
   assert cut_rows == 0 or (num_splits == 1 and 2 <= pieces <= topk // TILE
                            and cut_rows <= batch)
@@ -251,7 +272,8 @@ def build_kernel(
       cut_rows=cut_rows, pieces=pieces,
       cluster_merge=cluster_merge, cluster_size=cluster_size, parts=parts,
       stream_whole=stream_whole if parts else 0,
-      stage_out=stage_out, stage_merged=stage_merged, f16_partials=f16_partials)
+      stage_out=stage_out, stage_merged=stage_merged, f16_partials=f16_partials,
+      tile_regions=tile_regions)
 
   def sparse_mla_decode_kernel(
       q_ref,  # [batch, q_heads, 576] bf16, GMEM
@@ -381,4 +403,6 @@ def build_kernel(
       out_type=out_type,
       kernel_name="jaxkv_sparse_mla_decode",
       interpret=interpret,
+      profile_dir=profile_dir,
+      profile_ranges=PROFILE_RANGES,
   )

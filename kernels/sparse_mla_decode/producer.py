@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -19,6 +20,7 @@ from jaxkv.kernels.mla_decode.layout import (
     load_query,
     zero_query_rows,
 )
+from jaxkv.kernels.mla_decode.seesaw import region_scope
 from jaxkv.kernels.sparse_mla_decode.cluster import cluster_sync
 from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.cta import (
@@ -115,13 +117,16 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
     tile_ids = None
     if compiled:
       ring = lax.rem(i, IDX_STAGES)
-      plgpu.barrier_wait(idx_bar.at[ring])
+      with region_scope(launch.tile_regions)("ids_wait"):
+        plgpu.barrier_wait(idx_bar.at[ring])
       tile_ids = row_ids(ids.at[ring], tile=TILE)
       if not select:
         tile_ids = null_first_invalid(tile_ids, smem.scratch, tile=TILE,
                                       num_rows=cta.num_slots)
-    pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
-    gather(i, stage, tile_ids)
+    with jax.named_scope("stage_wait"):
+      pl.when(i >= NUM_STAGES)(lambda: plgpu.barrier_wait(free_bar.at[stage]))
+    with jax.named_scope("issue"):
+      gather(i, stage, tile_ids)
     # Every thread's reads of the tile's ids before their refill (the
     # interpreter has no inline barrier: commit_smem is one too).
     (warpgroup_barrier if compiled else plgpu.commit_smem)()
@@ -139,7 +144,8 @@ def produce(launch: Launch, cta: Cta, smem: Smem, q_ref, cache_ref, idx_ref) -> 
         # The row's first tile goes out while the consumers finish the
         # last row's; its query, once both are done with that one.
         produce_tile(steps)
-        plgpu.barrier_wait(q_free_bar)
+        with jax.named_scope("query_free_wait"):
+          plgpu.barrier_wait(q_free_bar)
         query(row)
 
       pl.loop(jnp.minimum(segs, 1), n)(lambda i: produce_tile(steps + i))
