@@ -40,16 +40,15 @@ from jaxkv.kernels.sparse_mla_decode.plan import rows_to_cut, stream_whole_rows
 LAYOUTS = {"plain": False, "whole": True}
 
 
-def build(q, indices, *, config, parts, whole, select, profile_dir=None, tile_regions=False):
+def build(q, indices, *, config, parts, whole_rows, select, profile_dir=None,
+          tile_regions=False):
   batch, heads, _ = q.shape
-  tiles = TOPK // TILE
   return jax.jit(K.build_kernel(
       batch=batch, heads_padded=-(-heads // HEAD_TILE) * HEAD_TILE, topk=indices.shape[1],
       num_splits=1, sm_scale=SCALE, select=select, interpret=None, out_dtype=q.dtype,
       q_regs=config.q_regs, kv_swizzle=config.kv_swizzle, stage_out=config.stage_out,
       q_heads=heads, parts=parts,
-      stream_whole=stream_whole_rows(whole, batch=batch, num_heads=heads, tiles=tiles,
-                                     parts=parts),
+      stream_whole=whole_rows,
       f16_partials=config.f16_partials, profile_dir=profile_dir, tile_regions=tile_regions,
   ))
 
@@ -61,7 +60,7 @@ def main():
   ap.add_argument("--parts", type=int, default=0, help="0: the plan's count")
   ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
   ap.add_argument("--tile-regions", action="store_true",
-                  help="regions inside a tile (qk, handoff_wait, pv): CTAs of ~25 tiles fit")
+                  help="regions inside a tile (qk, handoff_wait, pv): CTAs of ~15 tiles fit")
   ap.add_argument("--keep", default=None, help="directory that keeps the traces")
   args = ap.parse_args()
   batch, heads = map(int, args.shape.split(":"))
@@ -82,11 +81,12 @@ def main():
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {batch} x {heads}, top-k "
         f"{TOPK}, {args.mode}, {parts} parts x {-(-heads // HEAD_TILE)} head groups")
   for name in args.layouts:
-    whole = LAYOUTS[name]
+    whole_rows = stream_whole_rows(LAYOUTS[name], batch=batch, num_heads=heads,
+                                   tiles=TOPK // TILE, parts=parts)
     out_dir = os.path.join(root, name)
     os.makedirs(out_dir, exist_ok=True)
-    call = functools.partial(build, q, idx, config=config, parts=parts, whole=whole,
-                             select=select)
+    call = functools.partial(build, q, idx, config=config, parts=parts,
+                             whole_rows=whole_rows, select=select)
     plain = P.kernel_ms(call(), (q, rows, idx))
     prof = call(profile_dir=out_dir, tile_regions=args.tile_regions)
     before = set(glob.glob(os.path.join(out_dir, "*.json")))
@@ -99,9 +99,7 @@ def main():
       # keeps the first and warns for each of the others.
       warnings.filterwarnings("ignore", message="Failed to dump profile")
       profiled = P.kernel_ms(prof, (q, rows, idx))
-    rule = stream_whole_rows(whole, batch=batch, num_heads=heads, tiles=TOPK // TILE,
-                             parts=parts)
-    print(f"\n== {name} ({rule} whole rows a part): kernel {plain * 1e3:.1f} us, profiled "
+    print(f"\n== {name} ({whole_rows} whole rows a part): kernel {plain * 1e3:.1f} us, profiled "
           f"{profiled * 1e3:.1f} us; trace {traces[-1]}")
     P.report(P.ranges(traces[-1]), regions=K.REGIONS, max_ranges=K.PROFILE_RANGES)
 

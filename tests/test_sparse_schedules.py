@@ -176,10 +176,11 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole):
   rows in 2 parts (the boundary between rows 1 and 2: nothing cut). Whole
   rows first: 5 rows in 3 parts (rows 0-2 whole, row 3 in two pieces, row
   4 whole in part 2's run; at 128 heads, `stream_whole=None`: the plan's
-  rule lays them end to end, two leftover tiles for three parts); 7 rows of 3 tiles in 5 parts (row 5 in three
-  pieces, row 6 in two: a slot of no piece); 4 rows of 2 tiles in 3 parts
-  (fewer leftover tiles than parts: part 2's run is empty); 6 rows in 3
-  parts (two whole rows each, nothing cut). Row 1's first tile holds no
+  rule lays them end to end, two leftover tiles for three parts); 7 rows
+  of 3 tiles in 5 parts (row 5 in three pieces, row 6 in two: a slot of
+  no piece); 4 rows of 2 tiles in 3 parts (fewer leftover tiles than
+  parts: part 2's run is empty); 6 rows in 3 parts (two whole rows each,
+  nothing cut). Row 1's first tile holds no
   valid index, the last row none at all. The reference's result (the dead
   row 0 and -inf), the race detector on the first case; in the select
   cases, NaN in slot 0 and in every slot no row indexes leaves "select"

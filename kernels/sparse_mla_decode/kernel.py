@@ -228,8 +228,9 @@ def build_kernel(
   of the `REGIONS` each warpgroup of each CTA went through (Mosaic GPU's
   profiler, SM clock cycles; `benchmarks/profile_sparse_mla_decode.py`
   reads it), at most `PROFILE_RANGES` ranges per warpgroup: two per tile
-  for the consumers and the producer, three more (one more) with
-  `tile_regions` (a CTA of ~40 tiles fits, ~15 with `tile_regions`).
+  for each warpgroup, and with `tile_regions` three to five more for a
+  consumer and one more for the producer (a CTA of ~40 tiles fits, ~15
+  with `tile_regions`).
   """
   if profile_dir and interpret is not None:
     raise ValueError("profile_dir needs a compiled kernel (interpret=None)")

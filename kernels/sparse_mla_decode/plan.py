@@ -120,7 +120,7 @@ def stream_whole_pays(*, batch: int, num_heads: int, tiles: int, parts: int) -> 
   """Whether the stream gives each part its whole rows first
   (`SparseMLADecodeConfig.stream_whole=None`): at one head group always; at
   two where the leftover runs average `STREAM_WHOLE_MIN_TILES` tiles or more."""
-  left = (batch - batch // parts * parts) * tiles
+  left = batch % parts * tiles  # the leftover rows' tiles
   return -(-num_heads // 64) == 1 or left >= STREAM_WHOLE_MIN_TILES * parts
 
 
