@@ -9,7 +9,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
   python benchmarks/bench_sparse_mla_decode.py [--quick] [--splits N] [--q-regs Q ...]
       [--kv-swizzle 64 128] [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
       [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
-      [--combine kernel xla] [--parts auto|off|N ...] [--f16-partials 0 1]
+      [--combine kernel xla] [--parts auto|off|N[/plain|/whole][/sN] ...] [--f16-partials 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -38,7 +38,9 @@ check with each. `--parts` times each one-split variant with
 device's SMs over the head groups), each with the suffix "/plain" for
 `SparseMLADecodeConfig.stream_whole=False` (every row's tiles laid end to
 end; with "auto", the plan's choice under it) or "/whole" for True (whole
-rows first; without a suffix, the plan's rule); a stream's result is
+rows first; without a suffix, the plan's rule), and "/sN" for
+`SparseMLADecodeConfig.stream_segment=N` (the leftover runs cut by cost, a
+segment at N tiles; 0: equal tiles); a stream's result is
 compared with the first variant's (within a bf16 rounding, NaN in the same places), and the NaN
 and outside-the-cache checks also run with the rows streamed in 6 parts.
 `--f16-partials` times each variant whose partials a merge after the kernel
@@ -101,19 +103,31 @@ def _time_parts(fn, *args) -> tuple[float, float]:
 
 
 
-def _parts(value: str, heads: int) -> tuple[int | None, bool | None]:
+LAYOUT_SUFFIX = {None: "", False: "plain", True: "whole"}  # `stream_whole` by `--parts` suffix
+
+
+def _parts(value: str, heads: int) -> tuple[int | None, bool | None, int | None]:
   """`--parts`' value: (None (the plan's), 0 (off) or a count of parts;
   `SparseMLADecodeConfig.stream_whole`: None (the plan's rule), False with
-  the suffix "/plain", True with "/whole")."""
-  value, _, suffix = value.partition("/")
-  whole = {"": None, "plain": False, "whole": True}[suffix]
+  the suffix "/plain", True with "/whole"; `stream_segment`: None (the
+  plan's), N with the suffix "/sN")."""
+  value, *suffixes = value.split("/")
+  layout = {v: k for k, v in LAYOUT_SUFFIX.items()}
+  whole = segment = None
+  for suffix in suffixes:
+    if suffix in layout:
+      whole = layout[suffix]
+    elif suffix[:1] == "s" and suffix[1:].isdigit():
+      segment = int(suffix[1:])
+    else:
+      raise ValueError(f"--parts {value}: unknown suffix {suffix!r} (plain, whole or sN)")
   if value == "auto":
-    return None, whole
+    return None, whole, segment
   if value == "off":
-    return 0, whole
+    return 0, whole, segment
   if value == "sms":
-    return num_sms() // -(-heads // 64), whole
-  return int(value), whole
+    return num_sms() // -(-heads // 64), whole, segment
+  return int(value), whole, segment
 
 
 def main(argv=None) -> int:
@@ -145,7 +159,8 @@ def main(argv=None) -> int:
                       " (1) and by the combine kernel (0) (default: the config's)")
   parser.add_argument("--parts", nargs="+", default=["auto"],
                       help="time each one-split variant with the stream schedule's parts per"
-                      " head group set to each: auto (the plan's), off, sms, or N")
+                      " head group set to each: auto (the plan's), off, sms, or N, each with"
+                      " /plain or /whole (stream_whole) and /sN (stream_segment)")
   parser.add_argument("--combine", nargs="+", default=None, choices=["kernel", "xla"],
                       help="time each variant with split or piece partials merged by the"
                       " merge kernel and by XLA (default: the config's)")
@@ -198,7 +213,7 @@ def main(argv=None) -> int:
     in_clusters = merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)
     if args.combine and (cfg.num_splits > 1 or cut.rows) and not in_clusters:
       combines = args.combine
-    parts = [(None, cfg.stream_whole)]
+    parts = [(None, cfg.stream_whole, cfg.stream_segment)]
     if cfg.num_splits == 1 and cfg.cut_rows is None and cfg.cluster_merge is None:
       parts = [_parts(v, heads) for v in args.parts]
     f16s = [cfg.f16_partials] if args.f16_partials is None else [
@@ -210,6 +225,7 @@ def main(argv=None) -> int:
     for mode, qr, so, ph, cm, cb, pt, fp in variants:
       vcfg = dataclasses.replace(cfg, q_regs=qr[0], kv_swizzle=qr[1], stage_out=so,
                                  cluster_merge=cm, combine=cb, parts=pt[0], stream_whole=pt[1],
+                                 stream_segment=pt[2],
                                  f16_partials=fp)
       if pt[0] and pt[0] > batch:
         continue
@@ -284,7 +300,8 @@ def main(argv=None) -> int:
                    f"{'/so' if so else ''}{'/pad' if ph else ''}"
                    f"{'' if cm is None else '/cm' if cm else '/xc'}"
                    f"{'/xla' if cb == 'xla' and len(combines) > 1 else ''}"
-                   f"{'' if len(parts) == 1 else f'/p{pt[0]}' + {None: '', False: 'plain', True: 'whole'}[pt[1]]}"
+                   f"{'' if len(parts) == 1 else f'/p{pt[0]}' + LAYOUT_SUFFIX[pt[1]]}"
+                   f"{'' if len(parts) == 1 or pt[2] is None else f's{pt[2]}'}"
                    f"{'/f16p' if fp and len(f16s) > 1 else ''}", t * 1e6,
                    t_kernel * 1e6,
                    (kv_bytes + io_bytes) / t / 1e12,

@@ -106,24 +106,27 @@ def test_compiled_kernel_with_halves_merged_in_clusters_lowers_for_hopper(select
   assert "gpu.cluster_block_id" in text
 
 
-@pytest.mark.parametrize("select, heads, kv_swizzle, whole", [
-    (True, 128, 64, 0), (False, 16, 64, 0), (True, 128, 128, 0), (False, 128, 128, 1),
-    (True, 64, 128, 1)])
+@pytest.mark.parametrize("select, heads, kv_swizzle, whole, segment", [
+    (True, 128, 64, 0, 0), (False, 16, 64, 0, 0), (True, 128, 128, 0, 0),
+    (False, 128, 128, 1, 0), (True, 64, 128, 1, 0), (False, 128, 128, 0, 2)])
 def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, heads, kv_swizzle,
-                                                                    whole):
+                                                                    whole, segment):
   """`parts` on the compiled path: loops over a part's row segments (with
   `stream_whole`, its whole rows' loop, then its leftover run's), the query
   reloaded per segment, the result, and the pieces' partial stores in one
-  body (under the 128-byte swizzle, with the fence at a segment's end)."""
+  body (under the 128-byte swizzle, with the fence at a segment's end);
+  with `stream_segment`, the runs cut by cost on traced part indices."""
   from jaxkv.kernels.sparse_mla_decode import kernel as K
+  from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
   batch, topk = 5, 128
   call = K.build_kernel(
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
       out_dtype=jnp.bfloat16, q_heads=heads, parts=3, kv_swizzle=kv_swizzle,
-      f16_partials=kv_swizzle == 128, stream_whole=whole,
+      f16_partials=kv_swizzle == 128, stream_whole=whole, stream_segment=segment,
   )
+  assert Stream(batch, topk // 64, 3, whole, segment).overhead == segment
   _assert_lowers(call, batch, heads, topk, select)
 
 

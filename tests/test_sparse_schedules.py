@@ -14,6 +14,7 @@ from jaxkv.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
+from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 from sparse_problem import (
     FAST,
@@ -161,13 +162,14 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
 
 
 @pytest.mark.parametrize(
-    "heads, mode, batch, tiles, parts, combine, whole",
-    [(64, "select", 5, 2, 3, "kernel", False), (128, "multiply", 5, 2, 3, "kernel", None),
-     (16, "select", 6, 2, 4, "xla", False), (64, "multiply", 4, 2, 2, "kernel", False),
-     (64, "select", 7, 3, 5, "kernel", True), (16, "select", 7, 3, 5, "xla", True),
-     (64, "select", 4, 2, 3, "kernel", True), (128, "select", 6, 2, 3, "kernel", True)],
+    "heads, mode, batch, tiles, parts, combine, whole, segment",
+    [(64, "select", 5, 2, 3, "kernel", False, 0), (128, "multiply", 5, 2, 3, "kernel", None, 0),
+     (16, "select", 6, 2, 4, "xla", False, 0), (64, "multiply", 4, 2, 2, "kernel", False, 0),
+     (64, "select", 7, 3, 5, "kernel", True, 0), (16, "select", 7, 3, 5, "xla", True, 0),
+     (64, "select", 4, 2, 3, "kernel", True, 0), (128, "select", 6, 2, 3, "kernel", True, 0),
+     (64, "select", 7, 3, 5, "kernel", False, 3), (128, "multiply", 5, 4, 3, "kernel", True, 1)],
 )
-def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole):
+def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole, segment):
   """`parts`: equal shares of the batch's tiles per CTA, rows cut between
   runs merged after the kernel (`stream.Stream`). Laid end to end
   (`stream_whole=False`): 5 rows of 2 tiles in 3 parts (tiles 0-2, 3-5,
@@ -180,7 +182,11 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole):
   of 3 tiles in 5 parts (row 5 in three pieces, row 6 in two: a slot of
   no piece); 4 rows of 2 tiles in 3 parts (fewer leftover tiles than
   parts: part 2's run is empty); 6 rows in 3 parts (two whole rows each,
-  nothing cut). Row 1's first tile holds no
+  nothing cut). Cut by cost (`stream_segment`): 7 rows of 3 tiles in 5
+  parts at 3 tiles a segment (runs 0-3, 3-7, 7-12, 12-15, 15-21 where equal
+  tiles give 0-4, 4-8, ...: row 2 cut, row 4 one part's run); 5 rows of 4
+  tiles, one whole row a part, at 1 (the leftover runs 0-2, 2-4, 4-8: row 3
+  in halves, row 4 whole). Row 1's first tile holds no
   valid index, the last row none at all. The reference's result (the dead
   row 0 and -inf), the race detector on the first case; in the select
   cases, NaN in slot 0 and in every slot no row indexes leaves "select"
@@ -192,7 +198,12 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole):
   idx = idx.at[1, :64].set(-1)
   if mode == "multiply":
     q = q.astype(jnp.float32)  # a float32 result, from registers and the merge
-  config = SparseMLADecodeConfig(parts=parts, combine=combine, stream_whole=whole)
+  config = SparseMLADecodeConfig(parts=parts, combine=combine, stream_whole=whole,
+                                 stream_segment=segment)
+  stream = Stream(batch, tiles, parts, batch // parts if whole else 0, segment)
+  equal = Stream(batch, tiles, parts, stream.whole)
+  assert not segment or [stream.runs(p) for p in range(parts)] != [
+      equal.runs(p) for p in range(parts)]
   first = heads == 64 and mode == "select" and batch == 5
 
   def run(c, mode, interpret=FAST):

@@ -18,20 +18,31 @@ def stream_segments(stream):
 
 
 def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
-  """For every batch >= parts, with and without whole rows first: the parts'
-  segments cover each row's tiles exactly once, in order, none empty; the
-  parts' tile counts differ by one at most; a part's whole rows are its own
+  """For every batch >= parts, with and without whole rows first, with
+  and without a cut by cost: the parts' segments cover each row's tiles
+  exactly once, in order, none empty; the parts' tile counts differ by one
+  at most (by cost: each leftover run holds a tile at least and costs, a
+  segment at `overhead` tiles, at most its share of the cost line and one
+  segment more); a part's whole rows are its own
   (`whole` of them, first); a row cut into pieces is a leftover row, its
   pieces `row_pieces` of them, numbered 0, 1, ... along the row by `piece`;
   a leftover row in one run has `row_pieces` 1 and is one whole segment."""
   for tiles, parts in itertools.product((1, 2, 3, 5, 32), (2, 3, 7, 66, 132)):
-    for batch in sorted({parts, parts + 1, 2 * parts - 1, 2 * parts, 3 * parts + 5}):
+    for batch, segment in itertools.product(
+        sorted({parts, parts + 1, 2 * parts - 1, 2 * parts, 3 * parts + 5}), (0, 1, 4, 40)):
       for whole in sorted({0, 1, batch // parts}):
-        stream = Stream(batch, tiles, parts, whole)
+        stream = Stream(batch, tiles, parts, whole, segment)
         segs = stream_segments(stream)
         covered = {}
         sizes = [sum(n for _, _, n in part) for part in segs]
-        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == batch * tiles
+        assert sum(sizes) == batch * tiles
+        if not stream.overhead:
+          assert max(sizes) - min(sizes) <= 1
+        else:  # every run a tile at least; each costs at most its share of the line and c
+          c = stream.overhead
+          assert 1 <= c <= segment and stream.left >= (c + 1) * parts
+          costs = [sum(n + c for _, _, n in part[whole:]) for part in segs]
+          assert min(sizes) > whole * tiles and max(costs) <= -(-stream.line // parts) + c
         for p, part in enumerate(segs):
           assert all(n > 0 for _, _, n in part)
           assert [row for row, _, _ in part[:whole]] == list(range(p * whole, (p + 1) * whole))
@@ -77,3 +88,22 @@ def test_whole_rows_first_cut_fewer_rows_in_more_pieces():
   assert (Stream(140, 32, 66, 2).cut_rows, Stream(140, 32, 66, 2).max_pieces) == (8, 9)
   assert (Stream(132, 32, 66, 2).cut_rows, Stream(132, 32, 66, 2).max_pieces) == (0, 1)
   assert Stream(132, 32, 66, 0).cut_rows == 0
+
+
+def test_cut_by_cost_shortens_the_worst_part():
+  """83 x 128 heads (66 parts a head group, one whole row a part, 17 leftover
+  rows of 32 tiles), a segment at 4 tiles: the worst part's cost, its whole
+  row's included, falls from 52 (32 + 7 + 1 tiles in three segments) to 50
+  (32 + 10 in two), the same 17 rows cut in 5 pieces at most; the cap keeps
+  a run's tile at 544 // 66 - 1 = 7 tiles of overhead, and without leftover
+  tiles to spare the cut is the equal one."""
+  def worst(stream, c=4):
+    return max((sum(n + c for _, _, n in part), [n for _, _, n in part])
+               for part in stream_segments(stream))
+
+  equal, by_cost = Stream(83, 32, 66, 1), Stream(83, 32, 66, 1, 4)
+  assert worst(equal) == (52, [32, 7, 1]) and worst(by_cost) == (50, [32, 10])
+  assert (by_cost.cut_rows, by_cost.max_pieces) == (equal.cut_rows, equal.max_pieces) == (17, 5)
+  assert Stream(83, 32, 66, 1, 40).overhead == 7
+  assert Stream(133, 32, 132, 1, 4).overhead == 0  # 32 leftover tiles, 132 parts
+  assert Stream(140, 32, 66, 2, 4).overhead == 2  # 256 leftover tiles: 3 a part at least

@@ -24,6 +24,7 @@ COMBINES = ("kernel", "xla")
 # not portable.
 CLUSTER_SPLITS = (2, 4, 8)
 MAX_PIECES = 32  # pieces of a cut row (`SparseMLADecodeConfig.pieces`)
+MAX_STREAM_SEGMENT = 32  # a row segment's cost in tiles (`SparseMLADecodeConfig.stream_segment`)
 # The most CTAs a launch in clusters of 4 or 8 ran in one wave on the H200
 # (top-k 2048, 2026-12-04): 15 x 64 heads at 8 splits and 30 x 64 at 4 (120
 # CTAs) did; 16 x 64 at 8 and 32 x 64 at 4 (128 CTAs) took two waves, 1.5-1.9x
@@ -113,6 +114,14 @@ class SparseMLADecodeConfig:
       heads 83 x 128 0.98-1.01 of the plain layout's time over three runs,
       140 x 128 0.99-1.01, and 200 x 128 (one-tile pieces) 1.013-1.025
       (NOTES.md).
+    stream_segment: with the stream, the cost of a row segment of a part
+      (its query, row sums, finish and store) in tiles, by which the
+      leftover runs are cut (`stream.Stream.segment_cost`): a run that
+      crosses a row's edge takes that many fewer tiles, capped so that each
+      run keeps one at least. 0: equal tiles a part. None:
+      `plan.STREAM_SEGMENT_TILES` (0 until timed on the H200). An H100
+      profile at 83 x 128 heads (top-k 2048, 2026-12-06) put a segment at
+      3-4 tiles; at 4 the model's worst part there goes from 52 to 50 units.
     f16_partials: the split or piece partials that a merge after the kernel
       reads (the combine kernel's or XLA's; not a cluster's, which stay
       float32) go out in float16, each head row's channel half divided by the
@@ -147,6 +156,7 @@ class SparseMLADecodeConfig:
   combine: str = "kernel"
   parts: int | None = None
   stream_whole: bool | None = None
+  stream_segment: int | None = None
   f16_partials: bool = True
   kv_swizzle: int = 128
 
@@ -167,6 +177,11 @@ class SparseMLADecodeConfig:
       raise ValueError(f"{self.f16_partials=} must be a bool")
     if not (self.stream_whole is None or isinstance(self.stream_whole, bool)):
       raise ValueError(f"stream_whole={self.stream_whole!r} must be None or a bool")
+    segment = self.stream_segment
+    if segment is not None and (not isinstance(segment, int) or isinstance(segment, bool)
+                                or not 0 <= segment <= MAX_STREAM_SEGMENT):
+      raise ValueError(f"stream_segment={segment!r} must be None or an int in"
+                       f" [0, {MAX_STREAM_SEGMENT}]")
     rows = self.cut_rows
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
       raise ValueError(f"cut_rows={rows!r} must be None or an int >= 0")

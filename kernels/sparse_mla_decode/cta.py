@@ -45,6 +45,7 @@ class Launch:
   cluster_size: int
   parts: int
   stream_whole: int  # the stream: whole rows per part, before its leftover run
+  stream_segment: int  # the stream: a row segment's cost in tiles (its leftover runs' cut)
   stage_out: bool  # the kernel's own result of a whole row, staged
   stage_merged: bool  # a cluster's merged result, staged
   f16_partials: bool  # partials for the merge after the kernel: float16, staged
@@ -63,7 +64,8 @@ class Launch:
   @property
   def stream(self) -> Stream:
     """The stream schedule (with `parts`)."""
-    return Stream(self.batch, self.num_tiles, self.parts, self.stream_whole)
+    return Stream(self.batch, self.num_tiles, self.parts, self.stream_whole,
+                  self.stream_segment)
 
   @property
   def last_stage(self) -> int:

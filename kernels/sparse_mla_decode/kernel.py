@@ -128,6 +128,7 @@ def build_kernel(
     cluster_merge: bool = False,
     parts: int = 0,
     stream_whole: int = 0,
+    stream_segment: int = 0,
     f16_partials: bool = False,
     profile_dir: str | None = None,
     tile_regions: bool = False,
@@ -203,7 +204,8 @@ def build_kernel(
   group, each over `stream_whole` whole rows of its own (`stream_whole *
   parts <= batch`) and then an equal run of the other rows' tiles laid end
   to end, row segment by row segment (the query reloaded per segment; the
-  KV ring runs on across segments). A whole row's segment is the row's
+  KV ring runs on across segments; with `stream_segment` the leftover runs
+  are cut by cost, a segment at that many tiles: `Stream.segment_cost`). A whole row's segment is the row's
   result, in the first two outputs (with `stage_out` staged in its last
   tile's stage, which goes back to the producer once the copy has read it);
   piece j of the i-th row cut between runs goes to two more outputs, o
@@ -273,6 +275,7 @@ def build_kernel(
       cut_rows=cut_rows, pieces=pieces,
       cluster_merge=cluster_merge, cluster_size=cluster_size, parts=parts,
       stream_whole=stream_whole if parts else 0,
+      stream_segment=stream_segment if parts else 0,
       stage_out=stage_out, stage_merged=stage_merged, f16_partials=f16_partials,
       tile_regions=tile_regions)
 

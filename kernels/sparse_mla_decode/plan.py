@@ -70,6 +70,12 @@ STREAM_MERGE_TILE_US = 0.015
 # (2026-12-06) one head group gained 1-9% at every shape; two were level at 4-10
 # tiles a part (83, 87, 140 x 128) and 1.3-2.5% slower at one (200 x 128).
 STREAM_WHOLE_MIN_TILES = 4
+# A row segment's own cost in tiles, by head groups, where the stream cuts
+# its leftover runs by cost (`SparseMLADecodeConfig.stream_segment=None`;
+# `stream.Stream.segment_cost`). An H100 profile at 83 x 128 (2026-12-06) put
+# a segment at 10-14k cycles, 3-4 tiles; 0 (equal tiles) until the cut by
+# cost is timed on the H200.
+STREAM_SEGMENT_TILES = {1: 0, 2: 0}
 
 
 def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
@@ -132,15 +138,25 @@ def stream_whole_rows(whole: bool | None, *, batch: int, num_heads: int, tiles: 
   return batch // parts if whole else 0
 
 
+def stream_segment_tiles(segment: int | None, *, num_heads: int) -> int:
+  """A row segment's cost in tiles (`stream.Stream.segment_cost`) for
+  `SparseMLADecodeConfig.stream_segment`."""
+  if segment is None:
+    return STREAM_SEGMENT_TILES[min(-(-num_heads // 64), 2)]
+  return segment
+
+
 def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
-                whole: bool | None = None) -> float:
+                whole: bool | None = None, segment: int | None = None) -> float:
   """The stream schedule's modelled time (µs): its longest part (every CTA
-  streams the whole time), plus the merge of the rows it cuts (`whole`:
-  `SparseMLADecodeConfig.stream_whole`)."""
+  streams the whole time), plus the merge of the rows it cuts (`whole` and
+  `segment`: `SparseMLADecodeConfig.stream_whole` and `stream_segment`; the
+  span counts the tiles of an equal cut, fitted before the cut by cost)."""
   groups = min(-(-num_heads // 64), 2)
   span = STREAM_FIXED_US[groups] + -(-batch * tiles // parts) * STREAM_TILE_US[groups]
   stream = Stream(batch, tiles, parts, stream_whole_rows(
-      whole, batch=batch, num_heads=num_heads, tiles=tiles, parts=parts))
+      whole, batch=batch, num_heads=num_heads, tiles=tiles, parts=parts),
+      stream_segment_tiles(segment, num_heads=num_heads))
   if not stream.cut_rows:
     return span
   tiles_moved = (stream.cut_pieces + stream.cut_rows) * -(-num_heads // 64)
@@ -151,7 +167,7 @@ def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
 def wave_plan(
     *, batch: int, num_heads: int, topk: int, num_splits: int, pieces: int | None = None,
     pairs_only: bool = False, stream: bool = True, num_sms: int = DEFAULT_SMS,
-    stream_whole: bool | None = None,
+    stream_whole: bool | None = None, stream_segment: int | None = None,
 ) -> RowCut:
   """The rows to cut and their pieces (`SparseMLADecodeConfig.cut_rows=None`).
 
@@ -164,7 +180,7 @@ def wave_plan(
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
   beats the whole rows' waves by `PLAN_MARGIN`. With `stream` (and neither
   `pieces` nor `pairs_only`), the stream schedule of `num_sms / groups` CTAs
-  per head group (`stream_cost`, with `stream_whole`) where it beats that
+  per head group (`stream_cost`, with `stream_whole` and `stream_segment`) where it beats that
   choice by `PLAN_MARGIN` too, at any batch past one wave. No cut with
   several splits, within one wave, past two waves (but the stream), and for
   a one-tile list.
@@ -195,7 +211,7 @@ def wave_plan(
     if best.rows:
       best_cost *= 1 - PLAN_MARGIN
     if stream_cost(batch=batch, num_heads=num_heads, tiles=tiles, parts=parts,
-                   whole=stream_whole) < best_cost:
+                   whole=stream_whole, segment=stream_segment) < best_cost:
       best = RowCut(0, 2, parts)
   return best
 
@@ -214,7 +230,7 @@ def rows_to_cut(config: SparseMLADecodeConfig, *, batch: int, num_heads: int,
                    num_splits=config.num_splits, pieces=config.pieces,
                    pairs_only=bool(config.cluster_merge) and config.pieces in (None, 2),
                    stream=config.parts is None, num_sms=device_sms(),
-                   stream_whole=config.stream_whole)
+                   stream_whole=config.stream_whole, stream_segment=config.stream_segment)
 
 
 def halves_pair_up(*, batch: int, cut_rows: int, pieces: int = 2) -> bool:

@@ -9,6 +9,17 @@ behind its whole rows: run B, leftover tiles `[start(p), start(p + 1))`.
 With `whole = 0` every row is leftover: the batch's tiles laid end to end in
 `parts` equal runs.
 
+With `segment_cost = c > 0` the leftover runs are cut by cost instead: a row
+segment costs a part c tiles of its own (its query, its row sums, its finish
+and store), so a run that crosses a row's edge should take fewer tiles. The
+cut is made on a line where each leftover row is c units of overhead and then
+its tiles; the line is cut in `parts` equal runs, and a cut inside a row's
+overhead moves to the row's first tile. (At 83 rows x 128 heads, 66 parts a
+head group, a segment at 4 tiles: the worst part, in those units, goes from
+52, its whole row, 7 tiles and 1 in two more segments, to 50, its whole row
+and 10 tiles in one more.) With c below the leftover tiles a part
+(`overhead` caps it) every run keeps at least one tile.
+
 Inside a run, a row's tiles are one segment: a whole row is the row's
 result, written by the part; a leftover row touched by several parts' runs
 is cut into pieces, one per run (`row_pieces` of them, in order along the
@@ -31,6 +42,7 @@ int32 scalars (the kernels) for their row, part and tile arguments.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -51,9 +63,11 @@ class Stream:
   tiles: int  # a row's tiles
   parts: int  # CTAs per head group
   whole: int = 0  # whole rows per part, before its leftover run
+  segment_cost: int = 0  # a row segment's own cost in tiles: the leftover runs are cut by cost
 
   def __post_init__(self):
     assert self.tiles >= 1 and self.parts >= 1 and 0 <= self.whole * self.parts <= self.batch
+    assert self.segment_cost >= 0
 
   @property
   def first_left_row(self) -> int:
@@ -69,19 +83,43 @@ class Stream:
     """The leftover rows' tiles."""
     return self.left_rows * self.tiles
 
+  @functools.cached_property
+  def overhead(self) -> int:
+    """The segment cost the cut uses: `segment_cost`, capped below the leftover
+    tiles a part (so that cuts `line // parts` apart, more than one row's
+    overhead, never meet at one tile: every run keeps one tile at least)."""
+    if self.left < self.parts:
+      return 0
+    return min(self.segment_cost, self.left // self.parts - 1)
+
+  @functools.cached_property
+  def line(self) -> int:
+    """The cost line's length: each leftover row's overhead and tiles."""
+    return self.left_rows * (self.tiles + self.overhead)
+
   def start(self, part):
     """Where part `part`'s leftover run starts, in leftover tiles: as even
-    as whole tiles allow, and where there are fewer tiles than parts, one
-    tile a part for the first `left` parts."""
-    if self.left >= self.parts:
+    as whole tiles allow (by cost with `segment_cost`: module docstring), and
+    where there are fewer tiles than parts, one tile a part for the first
+    `left` parts."""
+    if self.left < self.parts:
+      return _min(part, self.left)
+    c = self.overhead
+    if not c:
       return part * self.left // self.parts
-    return _min(part, self.left)
+    u = part * self.line // self.parts  # the cut on the cost line
+    row, at = u // (self.tiles + c), u % (self.tiles + c)
+    return row * self.tiles + _max(at - c, 0)
 
   def first_part(self, x):
-    """The part whose leftover run holds leftover tile `x`."""
-    if self.left >= self.parts:  # the largest p with start(p) <= x
-      return ((x + 1) * self.parts - 1) // self.left
-    return x
+    """The part whose leftover run holds leftover tile `x`: the largest p
+    with start(p) <= x."""
+    if self.left < self.parts:
+      return x
+    # The last point of the cost line at or before tile x (the cuts before
+    # it start at or before x): x's own, behind its row's overhead.
+    u = x + (x // self.tiles + 1) * self.overhead if self.overhead else x
+    return ((u + 1) * self.parts - 1) // self.line
 
   def runs(self, part):
     """Part `part`'s two runs as `[begin, end)` in the batch's tiles."""

@@ -32,6 +32,7 @@ from jaxkv.kernels.sparse_mla_decode.plan import (
     merged_after_kernel,
     merges_in_cluster,
     rows_to_cut,
+    stream_segment_tiles,
     stream_whole_rows,
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
@@ -144,6 +145,7 @@ def sparse_mla_decode(
         xla_combine=config.combine == "xla",
         parts=cut.parts,
         stream_whole=config.stream_whole,
+        stream_segment=config.stream_segment,
         f16_partials=config.f16_partials and merged_after_kernel(
             config, cut=cut, in_clusters=cluster_merge),
     )
@@ -189,12 +191,13 @@ _reference = jax.jit(sparse_mla_decode_reference, static_argnames=("sm_scale", "
     jax.jit,
     static_argnames=("sm_scale", "select", "num_splits", "interpret", "q_regs", "stage_out",
                      "pad_heads", "cut_rows", "pieces", "cluster_merge", "xla_combine",
-                     "parts", "stream_whole", "f16_partials", "kv_swizzle"),
+                     "parts", "stream_whole", "stream_segment", "f16_partials",
+                     "kv_swizzle"),
 )
 def _sparse_mla_decode(
     q, cache, indices, *, sm_scale, select, num_splits, interpret, q_regs, stage_out,
     pad_heads=False, cut_rows=0, pieces=2, cluster_merge=False, xla_combine=False, parts=0,
-    f16_partials=False, kv_swizzle=128, stream_whole=None,
+    f16_partials=False, kv_swizzle=128, stream_whole=None, stream_segment=None,
 ):
   batch, heads, _ = q.shape
   heads_padded = -(-heads // HEAD_TILE) * HEAD_TILE
@@ -207,9 +210,11 @@ def _sparse_mla_decode(
     qp = jnp.pad(qp, ((0, 0), (0, heads_padded - heads), (0, 0)))
   rows = cache.reshape(-1, MLA_HEAD_DIM)
   tiles = indices.shape[1] // TILE
-  # The stream's whole rows per part, before its leftover run.
+  # The stream's whole rows per part, before its leftover run, and a row
+  # segment's cost in tiles, by which the leftover runs are cut.
   whole_rows = parts and stream_whole_rows(stream_whole, batch=batch, num_heads=heads,
                                            tiles=tiles, parts=parts)
+  segment = parts and stream_segment_tiles(stream_segment, num_heads=heads)
   call = _kernel.build_kernel(
       batch=batch,
       heads_padded=heads_padded,
@@ -228,6 +233,7 @@ def _sparse_mla_decode(
       cluster_merge=cluster_merge,
       parts=parts,
       stream_whole=whole_rows,
+      stream_segment=segment,
       f16_partials=f16_partials,
   )
   o, lse, *more = call(qp, rows, indices)
@@ -241,7 +247,7 @@ def _sparse_mla_decode(
     # The leftover rows' pieces ([left_rows, max_pieces, hp, 512],
     # [left_rows, max_pieces, hp] f32, `Stream.row_pieces` of each), merged
     # into the rows the kernel left unwritten; a row in one piece was written.
-    stream = Stream(batch, tiles, parts, whole_rows)
+    stream = Stream(batch, tiles, parts, whole_rows, segment)
     if not stream.cut_rows:
       return real_heads(o, lse, heads)
     if xla_combine:
