@@ -1,13 +1,15 @@
 """In-kernel timeline of sparse MLA decode's stream schedule on the GPU, by layout.
 
 Usage: python benchmarks/profile_sparse_mla_decode.py [--shape B:H] [--mode select|multiply]
-       [--parts N] [--layouts plain whole] [--tile-regions] [--keep DIR]
+       [--parts N] [--layouts plain whole] [--segments C ...] [--tile-regions] [--keep DIR]
 
 Builds the sparse decode kernel (top-k 2048, one split, the shape's default
 config) on the stream schedule of `--parts` CTAs per head group (default: the
 plan's count, `plan.rows_to_cut`), once per layout of `--layouts` ("plain":
 every row's tiles laid end to end, `stream_whole=False`; "whole": whole rows
-first), with Mosaic GPU's profiler on (`build_kernel(profile_dir=...)`), runs
+first), and per row segment cost of `--segments` (`stream_segment`: the
+leftover runs cut by cost, a segment at C tiles; 0, the default, equal
+tiles), with Mosaic GPU's profiler on (`build_kernel(profile_dir=...)`), runs
 it on the benchmark's random data, and prints per layout: the plain and the
 profiled kernel's times, then per warpgroup role the SM clock cycles each CTA
 spent in each named region (`kernel.REGIONS`), the spread of the CTAs' spans
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import itertools
 import os
 import tempfile
 import warnings
@@ -40,7 +43,7 @@ from jaxkv.kernels.sparse_mla_decode.plan import rows_to_cut, stream_whole_rows
 LAYOUTS = {"plain": False, "whole": True}
 
 
-def build(q, indices, *, config, parts, whole_rows, select, profile_dir=None,
+def build(q, indices, *, config, parts, whole_rows, segment, select, profile_dir=None,
           tile_regions=False):
   batch, heads, _ = q.shape
   return jax.jit(K.build_kernel(
@@ -48,7 +51,7 @@ def build(q, indices, *, config, parts, whole_rows, select, profile_dir=None,
       num_splits=1, sm_scale=SCALE, select=select, interpret=None, out_dtype=q.dtype,
       q_regs=config.q_regs, kv_swizzle=config.kv_swizzle, stage_out=config.stage_out,
       q_heads=heads, parts=parts,
-      stream_whole=whole_rows,
+      stream_whole=whole_rows, stream_segment=segment,
       f16_partials=config.f16_partials, profile_dir=profile_dir, tile_regions=tile_regions,
   ))
 
@@ -59,6 +62,9 @@ def main():
   ap.add_argument("--mode", default="select", choices=("select", "multiply"))
   ap.add_argument("--parts", type=int, default=0, help="0: the plan's count")
   ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+  ap.add_argument("--segments", type=int, nargs="+", default=[0],
+                  help="a row segment's cost in tiles, by which the leftover runs are cut"
+                  " (stream_segment; 0: equal tiles): each layout under each")
   ap.add_argument("--tile-regions", action="store_true",
                   help="regions inside a tile (qk, handoff_wait, pv): CTAs of ~15 tiles fit")
   ap.add_argument("--keep", default=None, help="directory that keeps the traces")
@@ -80,13 +86,13 @@ def main():
   root = args.keep or tempfile.mkdtemp()
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {batch} x {heads}, top-k "
         f"{TOPK}, {args.mode}, {parts} parts x {-(-heads // HEAD_TILE)} head groups")
-  for name in args.layouts:
+  for name, segment in itertools.product(args.layouts, args.segments):
     whole_rows = stream_whole_rows(LAYOUTS[name], batch=batch, num_heads=heads,
                                    tiles=TOPK // TILE, parts=parts)
-    out_dir = os.path.join(root, name)
+    out_dir = os.path.join(root, f"{name}_s{segment}")
     os.makedirs(out_dir, exist_ok=True)
     call = functools.partial(build, q, idx, config=config, parts=parts,
-                             whole_rows=whole_rows, select=select)
+                             whole_rows=whole_rows, segment=segment, select=select)
     plain = P.kernel_ms(call(), (q, rows, idx))
     prof = call(profile_dir=out_dir, tile_regions=args.tile_regions)
     before = set(glob.glob(os.path.join(out_dir, "*.json")))
@@ -99,7 +105,7 @@ def main():
       # keeps the first and warns for each of the others.
       warnings.filterwarnings("ignore", message="Failed to dump profile")
       profiled = P.kernel_ms(prof, (q, rows, idx))
-    print(f"\n== {name} ({whole_rows} whole rows a part): kernel {plain * 1e3:.1f} us, profiled "
+    print(f"\n== {name} ({whole_rows} whole rows a part), segment {segment}: kernel {plain * 1e3:.1f} us, profiled "
           f"{profiled * 1e3:.1f} us; trace {traces[-1]}")
     P.report(P.ranges(traces[-1]), regions=K.REGIONS, max_ranges=K.PROFILE_RANGES)
 
