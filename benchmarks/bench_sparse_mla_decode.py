@@ -130,6 +130,12 @@ def _parts(value: str, heads: int) -> tuple[int | None, bool | None, int | None]
   return int(value), whole, segment
 
 
+def _row(r) -> str:
+  """A line of the table (each is also printed as it is timed, should the run be cut short)."""
+  return (f"{r[0]:5d} {r[1]:5d} {r[2]:5d} {r[3]:7.2f} {r[4]:20s} {r[5]:7.1f} {r[6]:7.1f}"
+          f" {r[7]:6.2f} {r[8]:7.1f} {r[9]:8.2f} {100 * r[10]:6.1f} {r[11]:5.1f} {r[12]:.1e} {r[13]}")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
@@ -307,6 +313,7 @@ def main(argv=None) -> int:
                    (kv_bytes + io_bytes) / t / 1e12,
                    flops / t / 1e12, kv_bytes / t_ceil / 1e12, t_ceil / t, t_ref / t,
                    e_out, good))
+      print("timed:", _row(rows[-1]), flush=True)
     print(f"b{batch} h{heads} topk{topk} inv{invalid}: {cfg.num_splits} splits,"
           f" {cut.rows} rows cut into {cut.pieces} pieces, {cut.parts} parts, merge in clusters"
           f" {merges_in_cluster(cfg, batch=batch, num_heads=heads, cut=cut)}, ceiling"
@@ -320,8 +327,7 @@ def main(argv=None) -> int:
   print("\nbatch heads  topk invalid mode/q_regs           us  kernel    TB/s  TFLOP/s  ceilTB/s"
         "  %ceil  xRef  relerr ok")
   for r in rows:
-    print(f"{r[0]:5d} {r[1]:5d} {r[2]:5d} {r[3]:7.2f} {r[4]:20s} {r[5]:7.1f} {r[6]:7.1f}"
-          f" {r[7]:6.2f} {r[8]:7.1f} {r[9]:8.2f} {100 * r[10]:6.1f} {r[11]:5.1f} {r[12]:.1e} {r[13]}")
+    print(_row(r))
   return 0 if ok else 1
 
 
