@@ -133,7 +133,8 @@ def _parts(value: str, heads: int) -> tuple[int | None, bool | None, int | None]
 def _row(r) -> str:
   """A line of the table (each is also printed as it is timed, should the run be cut short)."""
   return (f"{r[0]:5d} {r[1]:5d} {r[2]:5d} {r[3]:7.2f} {r[4]:20s} {r[5]:7.1f} {r[6]:7.1f}"
-          f" {r[7]:6.2f} {r[8]:7.1f} {r[9]:8.2f} {100 * r[10]:6.1f} {r[11]:5.1f} {r[12]:.1e} {r[13]}")
+          f" {r[7]:6.2f} {r[8]:7.1f} {r[9]:8.2f} {100 * r[10]:6.1f} {r[11]:5.1f} {r[12]:.1e}"
+          f" {r[13]}")
 
 
 def main(argv=None) -> int:

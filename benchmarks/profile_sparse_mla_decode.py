@@ -105,8 +105,8 @@ def main():
       # keeps the first and warns for each of the others.
       warnings.filterwarnings("ignore", message="Failed to dump profile")
       profiled = P.kernel_ms(prof, (q, rows, idx))
-    print(f"\n== {name} ({whole_rows} whole rows a part), segment {segment}: kernel {plain * 1e3:.1f} us, profiled "
-          f"{profiled * 1e3:.1f} us; trace {traces[-1]}")
+    print(f"\n== {name} ({whole_rows} whole rows a part), segment {segment}: kernel"
+          f" {plain * 1e3:.1f} us, profiled {profiled * 1e3:.1f} us; trace {traces[-1]}")
     P.report(P.ranges(traces[-1]), regions=K.REGIONS, max_ranges=K.PROFILE_RANGES)
 
 

@@ -205,9 +205,10 @@ def build_kernel(
   parts <= batch`) and then an equal run of the other rows' tiles laid end
   to end, row segment by row segment (the query reloaded per segment; the
   KV ring runs on across segments; with `stream_segment` the leftover runs
-  are cut by cost, a segment at that many tiles: `Stream.segment_cost`). A whole row's segment is the row's
-  result, in the first two outputs (with `stage_out` staged in its last
-  tile's stage, which goes back to the producer once the copy has read it);
+  are cut by cost, a segment at that many tiles: `Stream.segment_cost`). A
+  whole row's segment is the row's result, in the first two outputs (with
+  `stage_out` staged in its last tile's stage, which goes back to the
+  producer once the copy has read it);
   piece j of the i-th row cut between runs goes to two more outputs, o
   `[left_rows, max_pieces, heads_padded, 512]` and lse `[left_rows,
   max_pieces, heads_padded]` f32 (`Stream.left_rows` and

@@ -180,8 +180,9 @@ def wave_plan(
   `plan_cost`'s model of the waves ends soonest, cutting nothing where no cut
   beats the whole rows' waves by `PLAN_MARGIN`. With `stream` (and neither
   `pieces` nor `pairs_only`), the stream schedule of `num_sms / groups` CTAs
-  per head group (`stream_cost`, with `stream_whole` and `stream_segment`) where it beats that
-  choice by `PLAN_MARGIN` too, at any batch past one wave. No cut with
+  per head group (`stream_cost`, with `stream_whole` and `stream_segment`)
+  where it beats that choice by `PLAN_MARGIN` too, at any batch past one
+  wave. No cut with
   several splits, within one wave, past two waves (but the stream), and for
   a one-tile list.
   """
