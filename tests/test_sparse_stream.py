@@ -40,7 +40,7 @@ def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
           assert max(sizes) - min(sizes) <= 1
         else:  # every run a tile at least; each costs at most its share of the line and c
           c = stream.overhead
-          assert 1 <= c <= segment and stream.left >= (c + 1) * parts
+          assert 1 <= c <= segment and stream.line // parts > c
           costs = [sum(n + c for _, _, n in part[whole:]) for part in segs]
           assert min(sizes) > whole * tiles and max(costs) <= -(-stream.line // parts) + c
         for p, part in enumerate(segs):
@@ -94,9 +94,10 @@ def test_cut_by_cost_shortens_the_worst_part():
   """83 x 128 heads (66 parts a head group, one whole row a part, 17 leftover
   rows of 32 tiles), a segment at 4 tiles: the worst part's cost, its whole
   row's included, falls from 52 (32 + 7 + 1 tiles in three segments) to 50
-  (32 + 10 in two), the same 17 rows cut in 5 pieces at most; the cap keeps
-  a run's tile at 544 // 66 - 1 = 7 tiles of overhead, and without leftover
-  tiles to spare the cut is the equal one."""
+  (32 + 10 in two), the same 17 rows cut in 5 pieces at most. The cap keeps
+  the cuts more than a row's overhead apart on the line: at most 9 tiles
+  here (17 x 41 // 66 = 10 > 9), 3 at 140 x 128 (8 x 35 // 66 = 4), none
+  with fewer leftover tiles than parts (the tile-a-part cut)."""
   def worst(stream, c=4):
     return max((sum(n + c for _, _, n in part), [n for _, _, n in part])
                for part in stream_segments(stream))
@@ -104,6 +105,8 @@ def test_cut_by_cost_shortens_the_worst_part():
   equal, by_cost = Stream(83, 32, 66, 1), Stream(83, 32, 66, 1, 4)
   assert worst(equal) == (52, [32, 7, 1]) and worst(by_cost) == (50, [32, 10])
   assert (by_cost.cut_rows, by_cost.max_pieces) == (equal.cut_rows, equal.max_pieces) == (17, 5)
-  assert Stream(83, 32, 66, 1, 40).overhead == 7
+  assert Stream(83, 32, 66, 1, 40).overhead == 9
   assert Stream(133, 32, 132, 1, 4).overhead == 0  # 32 leftover tiles, 132 parts
-  assert Stream(140, 32, 66, 2, 4).overhead == 2  # 256 leftover tiles: 3 a part at least
+  assert Stream(140, 32, 66, 2, 4).overhead == 3
+  assert worst(Stream(140, 32, 66, 2)) == (83, [32, 32, 2, 1])
+  assert worst(Stream(140, 32, 66, 2, 4)) == (81, [32, 32, 5])

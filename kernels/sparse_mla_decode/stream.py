@@ -17,8 +17,8 @@ its tiles; the line is cut in `parts` equal runs, and a cut inside a row's
 overhead moves to the row's first tile. (At 83 rows x 128 heads, 66 parts a
 head group, a segment at 4 tiles: the worst part, in those units, goes from
 52, its whole row, 7 tiles and 1 in two more segments, to 50, its whole row
-and 10 tiles in one more.) With c below the leftover tiles a part
-(`overhead` caps it) every run keeps at least one tile.
+and 10 tiles in one more.) With the cuts more than c apart on the line
+(`overhead` caps c) every run keeps at least one tile.
 
 Inside a run, a row's tiles are one segment: a whole row is the row's
 result, written by the part; a leftover row touched by several parts' runs
@@ -85,12 +85,16 @@ class Stream:
 
   @functools.cached_property
   def overhead(self) -> int:
-    """The segment cost the cut uses: `segment_cost`, capped below the leftover
-    tiles a part (so that cuts `line // parts` apart, more than one row's
-    overhead, never meet at one tile: every run keeps one tile at least)."""
+    """The segment cost the cut uses: `segment_cost`, capped so that the
+    cuts on the cost line lie more than one row's overhead apart (`line //
+    parts > overhead`): two never move to one row's first tile, and every
+    run keeps a tile at least."""
     if self.left < self.parts:
       return 0
-    return min(self.segment_cost, self.left // self.parts - 1)
+    c = self.segment_cost
+    while c and self.left_rows * (self.tiles + c) // self.parts <= c:
+      c -= 1
+    return c
 
   @functools.cached_property
   def line(self) -> int:
