@@ -119,9 +119,13 @@ class SparseMLADecodeConfig:
       leftover runs are cut (`stream.Stream.segment_cost`): a run that
       crosses a row's edge takes that many fewer tiles, capped so that each
       run keeps one at least. 0: equal tiles a part. None:
-      `plan.STREAM_SEGMENT_TILES` (0 until timed on the H200). An H100
-      profile at 83 x 128 heads (top-k 2048, 2026-12-06) put a segment at
-      3-4 tiles; at 4 the model's worst part there goes from 52 to 50 units.
+      `plan.STREAM_SEGMENT_TILES` (3) behind whole rows, 0 in the plain
+      layout. An H100 profile at 83 x 128 heads (top-k 2048, 2026-12-06) put
+      a segment at 3-4 tiles. On an H100 (2026-12-06, two runs) 3 took the
+      decode kernel at 83 x 128 from 110.4 to 107.8 µs and from 109.8 to
+      106.8, 75 x 128 from 100.4 to 99.6 and 150 x 64 in 132 parts from 137.7
+      to 136.2; in the plain layout 140 x 128 went from 167.1 to 168.5
+      (NOTES.md). Not yet timed on an H200.
     f16_partials: the split or piece partials that a merge after the kernel
       reads (the combine kernel's or XLA's; not a cluster's, which stay
       float32) go out in float16, each head row's channel half divided by the

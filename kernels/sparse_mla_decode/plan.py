@@ -70,12 +70,16 @@ STREAM_MERGE_TILE_US = 0.015
 # (2026-12-06) one head group gained 1-9% at every shape; two were level at 4-10
 # tiles a part (83, 87, 140 x 128) and 1.3-2.5% slower at one (200 x 128).
 STREAM_WHOLE_MIN_TILES = 4
-# A row segment's own cost in tiles, by head groups, where the stream cuts
-# its leftover runs by cost (`SparseMLADecodeConfig.stream_segment=None`;
-# `stream.Stream.segment_cost`). An H100 profile at 83 x 128 (2026-12-06) put
-# a segment at 10-14k cycles, 3-4 tiles; 0 (equal tiles) until the cut by
-# cost is timed on the H200.
-STREAM_SEGMENT_TILES = {1: 0, 2: 0}
+# A row segment's own cost in tiles, by head groups, by which the stream
+# cuts its leftover runs behind whole rows (`SparseMLADecodeConfig.
+# stream_segment=None`; `stream.Stream.segment_cost`). An H100 profile at
+# 83 x 128 (2026-12-06) put a segment at 10-14k cycles, 3-4 tiles. Timed on an
+# H100 (2026-12-06, two runs, kernel µs against equal tiles): 83 x 128 heads
+# 110.4 -> 107.8 and 109.8 -> 106.8 at 3 tiles (4: 108.2, 107.5), 75 x 128
+# 100.4 -> 99.6 (4: 98.9), 150 x 64 in 132 parts 137.7 -> 136.2 (4: 136.1);
+# in the plain layout (every row laid end to end) 140 x 128 went 167.1-167.2
+# -> 168.5-168.7 (4: 168.2-168.9), so there the runs stay equal.
+STREAM_SEGMENT_TILES = {1: 3, 2: 3}
 
 
 def _span(whole: int, pieces: int, cta: float, piece: float, num_sms: int) -> float:
@@ -138,11 +142,12 @@ def stream_whole_rows(whole: bool | None, *, batch: int, num_heads: int, tiles: 
   return batch // parts if whole else 0
 
 
-def stream_segment_tiles(segment: int | None, *, num_heads: int) -> int:
+def stream_segment_tiles(segment: int | None, *, num_heads: int, whole_rows: int) -> int:
   """A row segment's cost in tiles (`stream.Stream.segment_cost`) for
-  `SparseMLADecodeConfig.stream_segment`."""
+  `SparseMLADecodeConfig.stream_segment`: None, `STREAM_SEGMENT_TILES` behind
+  whole rows (`whole_rows`, `stream.Stream.whole`, > 0), else 0."""
   if segment is None:
-    return STREAM_SEGMENT_TILES[min(-(-num_heads // 64), 2)]
+    return STREAM_SEGMENT_TILES[min(-(-num_heads // 64), 2)] if whole_rows else 0
   return segment
 
 
@@ -154,9 +159,10 @@ def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
   span counts the tiles of an equal cut, fitted before the cut by cost)."""
   groups = min(-(-num_heads // 64), 2)
   span = STREAM_FIXED_US[groups] + -(-batch * tiles // parts) * STREAM_TILE_US[groups]
-  stream = Stream(batch, tiles, parts, stream_whole_rows(
-      whole, batch=batch, num_heads=num_heads, tiles=tiles, parts=parts),
-      stream_segment_tiles(segment, num_heads=num_heads))
+  whole_rows = stream_whole_rows(whole, batch=batch, num_heads=num_heads, tiles=tiles,
+                                 parts=parts)
+  stream = Stream(batch, tiles, parts, whole_rows,
+                  stream_segment_tiles(segment, num_heads=num_heads, whole_rows=whole_rows))
   if not stream.cut_rows:
     return span
   tiles_moved = (stream.cut_pieces + stream.cut_rows) * -(-num_heads // 64)

@@ -214,7 +214,8 @@ def _sparse_mla_decode(
   # segment's cost in tiles, by which the leftover runs are cut.
   whole_rows = parts and stream_whole_rows(stream_whole, batch=batch, num_heads=heads,
                                            tiles=tiles, parts=parts)
-  segment = parts and stream_segment_tiles(stream_segment, num_heads=heads)
+  segment = parts and stream_segment_tiles(stream_segment, num_heads=heads,
+                                           whole_rows=whole_rows)
   call = _kernel.build_kernel(
       batch=batch,
       heads_padded=heads_padded,
