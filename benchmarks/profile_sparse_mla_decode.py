@@ -8,8 +8,8 @@ config) on the stream schedule of `--parts` CTAs per head group (default: the
 plan's count, `plan.rows_to_cut`), once per layout of `--layouts` ("plain":
 every row's tiles laid end to end, `stream_whole=False`; "whole": whole rows
 first), and per row segment cost of `--segments` (`stream_segment`: the
-leftover runs cut by cost, a segment at C tiles; 0, the default, equal
-tiles), with Mosaic GPU's profiler on (`build_kernel(profile_dir=...)`), runs
+leftover runs cut by cost, a segment at C tiles; 0: equal tiles; by
+default the plan's, `plan.stream_segment_tiles`), with Mosaic GPU's profiler on (`build_kernel(profile_dir=...)`), runs
 it on the benchmark's random data, and prints per layout: the plain and the
 profiled kernel's times, then per warpgroup role the SM clock cycles each CTA
 spent in each named region (`kernel.REGIONS`), the spread of the CTAs' spans
@@ -38,7 +38,11 @@ from check_sparse_mla_decode import SCALE, TOPK, inputs
 from jaxkv.kernels.mla_decode.layout import HEAD_TILE, query_rows
 from jaxkv.kernels.sparse_mla_decode import kernel as K
 from jaxkv.kernels.sparse_mla_decode.config import TILE, default_config
-from jaxkv.kernels.sparse_mla_decode.plan import rows_to_cut, stream_whole_rows
+from jaxkv.kernels.sparse_mla_decode.plan import (
+    rows_to_cut,
+    stream_segment_tiles,
+    stream_whole_rows,
+)
 
 LAYOUTS = {"plain": False, "whole": True}
 
@@ -62,9 +66,10 @@ def main():
   ap.add_argument("--mode", default="select", choices=("select", "multiply"))
   ap.add_argument("--parts", type=int, default=0, help="0: the plan's count")
   ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-  ap.add_argument("--segments", type=int, nargs="+", default=[0],
+  ap.add_argument("--segments", type=int, nargs="+", default=[None],
                   help="a row segment's cost in tiles, by which the leftover runs are cut"
-                  " (stream_segment; 0: equal tiles): each layout under each")
+                  " (stream_segment; 0: equal tiles; default: the plan's): each layout"
+                  " under each")
   ap.add_argument("--tile-regions", action="store_true",
                   help="regions inside a tile (qk, handoff_wait, pv): CTAs of ~15 tiles fit")
   ap.add_argument("--keep", default=None, help="directory that keeps the traces")
@@ -89,6 +94,7 @@ def main():
   for name, segment in itertools.product(args.layouts, args.segments):
     whole_rows = stream_whole_rows(LAYOUTS[name], batch=batch, num_heads=heads,
                                    tiles=TOPK // TILE, parts=parts)
+    segment = stream_segment_tiles(segment, num_heads=heads, whole_rows=whole_rows)
     out_dir = os.path.join(root, f"{name}_s{segment}")
     os.makedirs(out_dir, exist_ok=True)
     call = functools.partial(build, q, idx, config=config, parts=parts,
