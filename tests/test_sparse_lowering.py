@@ -115,18 +115,20 @@ def test_compiled_kernel_with_the_stream_schedule_lowers_for_hopper(select, head
   `stream_whole`, its whole rows' loop, then its leftover run's), the query
   reloaded per segment, the result, and the pieces' partial stores in one
   body (under the 128-byte swizzle, with the fence at a segment's end);
-  with `stream_segment`, the runs cut by cost on traced part indices."""
+  with `stream_segment`, the runs cut by cost on traced part indices (4
+  tiles a row: cuts a tile from a row's edge move to it)."""
   from jaxkv.kernels.sparse_mla_decode import kernel as K
   from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
-  batch, topk = 5, 128
+  batch, topk = 5, 256 if segment else 128
   call = K.build_kernel(
       batch=batch, heads_padded=-(-heads // 64) * 64, topk=topk, num_splits=1,
       sm_scale=SCALE, select=select, interpret=None, q_regs=128, stage_out=True,
       out_dtype=jnp.bfloat16, q_heads=heads, parts=3, kv_swizzle=kv_swizzle,
       f16_partials=kv_swizzle == 128, stream_whole=whole, stream_segment=segment,
   )
-  assert Stream(batch, topk // 64, 3, whole, segment).overhead == segment
+  stream = Stream(batch, topk // 64, 3, whole, segment)
+  assert (stream.overhead, stream.snap) == (segment, int(segment > 0))
   _assert_lowers(call, batch, heads, topk, select)
 
 

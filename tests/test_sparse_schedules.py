@@ -168,7 +168,7 @@ def test_rows_cut_in_halves_merged_in_clusters(heads, mode):
      (16, "select", 6, 2, 4, "xla", False, None), (64, "multiply", 4, 2, 2, "kernel", False, None),
      (64, "select", 7, 3, 5, "kernel", True, None), (16, "select", 7, 3, 5, "xla", True, None),
      (64, "select", 4, 2, 3, "kernel", True, None), (128, "select", 6, 2, 3, "kernel", True, 0),
-     (64, "select", 7, 3, 5, "kernel", False, 3), (128, "multiply", 5, 4, 3, "kernel", True, 1)],
+     (64, "select", 7, 4, 5, "kernel", False, 2), (128, "multiply", 5, 4, 3, "kernel", True, 1)],
 )
 def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole, segment):
   """`parts`: equal shares of the batch's tiles per CTA, rows cut between
@@ -185,11 +185,11 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole, segme
   parts: part 2's run is empty); 6 rows in 3 parts (two whole rows each,
   nothing cut). (The default `stream_segment` there gives equal tiles:
   the plain layout, or leftover runs too short for a cost.) Cut by cost
-  (`stream_segment`): 7 rows of 3 tiles in 5 parts at 3 tiles a segment
-  (runs 0-3, 3-7, 7-12, 12-15, 15-21 where equal tiles give 0-4, 4-8, ...:
-  row 2 cut, row 4 one part's run); 5 rows of 4 tiles, one whole row a
-  part, at 1 (the leftover runs 0-2, 2-4, 4-8: row 3 in halves, row 4
-  whole). Row 1's first tile holds no valid index, the last row none at
+  (`stream_segment`): 7 rows of 4 tiles in 5 parts at 2 tiles a segment
+  (runs 0-4, 4-10, 10-16, 16-20, 20-28 where equal tiles give 0-5, 5-11,
+  ...: row 2 in halves, the others whole; cuts a tile from a row's edge
+  moved to it); 5 rows of 4 tiles, one whole row a part, at 1 (the
+  leftover runs 0-2, 2-4, 4-8: row 3 in halves, row 4 whole). Row 1's first tile holds no valid index, the last row none at
   all. The reference's result (the dead
   row 0 and -inf), the race detector on the first case; in the select
   cases, NaN in slot 0 and in every slot no row indexes leaves "select"
@@ -207,6 +207,7 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole, segme
     stream = Stream(batch, tiles, parts, batch // parts if whole else 0, segment)
     equal = Stream(batch, tiles, parts, stream.whole)
     assert [stream.runs(p) for p in range(parts)] != [equal.runs(p) for p in range(parts)]
+    assert stream.overhead == segment and stream.snap == (segment == 2)
   first = heads == 64 and mode == "select" and batch == 5
 
   def run(c, mode, interpret=FAST):

@@ -22,8 +22,8 @@ def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
   and without a cut by cost: the parts' segments cover each row's tiles
   exactly once, in order, none empty; the parts' tile counts differ by one
   at most (by cost: each leftover run holds a tile at least and costs, a
-  segment at `overhead` tiles, at most its share of the cost line and one
-  segment more); a part's whole rows are its own
+  segment at `overhead` tiles, at most its share of the cost line, one
+  segment more and the `snap` tiles at each end); a part's whole rows are its own
   (`whole` of them, first); a row cut into pieces is a leftover row, its
   pieces `row_pieces` of them, numbered 0, 1, ... along the row by `piece`;
   a leftover row in one run has `row_pieces` 1 and is one whole segment."""
@@ -38,11 +38,13 @@ def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
         assert sum(sizes) == batch * tiles
         if not stream.overhead:
           assert max(sizes) - min(sizes) <= 1
-        else:  # every run a tile at least; each costs at most its share of the line and c
-          c = stream.overhead
-          assert 1 <= c <= segment and stream.line // parts > c
+        else:  # every run a tile at least; each costs at most its share of the line,
+          # c, and the tiles its ends moved to a row's edge
+          c, snap = stream.overhead, stream.snap
+          assert 1 <= c <= segment and stream.line // parts > c + 2 * snap
           costs = [sum(n + c for _, _, n in part[whole:]) for part in segs]
-          assert min(sizes) > whole * tiles and max(costs) <= -(-stream.line // parts) + c
+          assert min(sizes) > whole * tiles
+          assert max(costs) <= -(-stream.line // parts) + c + 2 * snap
         for p, part in enumerate(segs):
           assert all(n > 0 for _, _, n in part)
           assert [row for row, _, _ in part[:whole]] == list(range(p * whole, (p + 1) * whole))
@@ -105,6 +107,18 @@ def test_cut_by_cost_shortens_the_worst_part():
   equal, by_cost = Stream(83, 32, 66, 1), Stream(83, 32, 66, 1, 4)
   assert worst(equal) == (52, [32, 7, 1]) and worst(by_cost) == (50, [32, 10])
   assert (by_cost.cut_rows, by_cost.max_pieces) == (equal.cut_rows, equal.max_pieces) == (17, 5)
+  # A cut one tile from a row's edge moves to it where the runs are long
+  # enough: at 3 tiles a segment, no part of 83 x 128 keeps a one-tile piece
+  # (its `[32, 1, 5]` parts ran 6k cycles over the others on an H100).
+  by_3 = Stream(83, 32, 66, 1, 3)
+  assert by_3.snap == 1 and worst(by_3, 3) == (48, [32, 10])
+  assert min(n for part in stream_segments(by_3) for _, _, n in part) == 2
+
+  class Unsnapped(Stream):
+    snap = 0
+
+  assert any(n == 1 for part in stream_segments(Unsnapped(83, 32, 66, 1, 3)) for _, _, n in part)
+  assert Stream(75, 32, 66, 1, 3).snap == 0  # 9 x 35 // 66 = 4: runs too short
   assert Stream(83, 32, 66, 1, 40).overhead == 9
   assert Stream(133, 32, 132, 1, 4).overhead == 0  # 32 leftover tiles, 132 parts
   assert Stream(140, 32, 66, 2, 4).overhead == 3

@@ -18,7 +18,11 @@ overhead moves to the row's first tile. (At 83 rows x 128 heads, 66 parts a
 head group, a segment at 4 tiles: the worst part, in those units, goes from
 52, its whole row, 7 tiles and 1 in two more segments, to 50, its whole row
 and 10 tiles in one more.) With the cuts more than c apart on the line
-(`overhead` caps c) every run keeps at least one tile.
+(`overhead` caps c) every run keeps at least one tile. A segment of one
+tile costs more than the line charges (its query's load and its finish
+come back to back: on an H100 at 83 x 128, parts `[32, 1, 5]` ran 6k cycles
+over the fit of the others, a tile and a half), so where the runs are long
+enough (`snap`) a cut one tile from a row's edge moves to the edge.
 
 Inside a run, a row's tiles are one segment: a whole row is the row's
 result, written by the part; a leftover row touched by several parts' runs
@@ -49,6 +53,10 @@ import jax.numpy as jnp
 
 def _min(a, b):
   return min(a, b) if all(isinstance(x, int) for x in (a, b)) else jnp.minimum(a, b)
+
+
+def _where(c, a, b):
+  return (a if c else b) if isinstance(c, bool) else jnp.where(c, a, b)
 
 
 def _max(a, b):
@@ -97,6 +105,14 @@ class Stream:
     return c
 
   @functools.cached_property
+  def snap(self) -> int:
+    """With the cut by cost: how far from a row's edge a cut moves to it (1
+    where the cuts lie more than `overhead + 2` apart on the line, so that
+    moving two of them by a tile each leaves every run a tile; else 0)."""
+    c = self.overhead
+    return int(bool(c) and self.tiles > 2 and self.line // self.parts > c + 2)
+
+  @functools.cached_property
   def line(self) -> int:
     """The cost line's length: each leftover row's overhead and tiles."""
     return self.left_rows * (self.tiles + self.overhead)
@@ -113,13 +129,20 @@ class Stream:
       return part * self.left // self.parts
     u = part * self.line // self.parts  # the cut on the cost line
     row, at = u // (self.tiles + c), u % (self.tiles + c)
-    return row * self.tiles + _max(at - c, 0)
+    at = _max(at - c, 0)  # the tile in the row (0 from inside its overhead)
+    if self.snap:  # within `snap` tiles of the row's edge: the edge
+      at = _where(at <= self.snap, 0, _where(at >= self.tiles - self.snap, self.tiles, at))
+    return row * self.tiles + at
 
   def first_part(self, x):
     """The part whose leftover run holds leftover tile `x`: the largest p
     with start(p) <= x."""
     if self.left < self.parts:
       return x
+    if self.snap:  # the last tile a cut can lie on and still move to x or before
+      s, t, row = self.snap, self.tiles, x // self.tiles * self.tiles
+      at = x - row
+      x = _where(at <= s, row + s, _where(at >= t - s, row + t - s - 1, x))
     # The last point of the cost line at or before tile x (the cuts before
     # it start at or before x): x's own, behind its row's overhead.
     u = x + (x // self.tiles + 1) * self.overhead if self.overhead else x
