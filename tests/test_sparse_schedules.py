@@ -183,17 +183,18 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole, segme
   of 3 tiles in 5 parts (row 5 in three pieces, row 6 in two: a slot of
   no piece); 4 rows of 2 tiles in 3 parts (fewer leftover tiles than
   parts: part 2's run is empty); 6 rows in 3 parts (two whole rows each,
-  nothing cut). (The default `stream_segment` there gives equal tiles:
-  the plain layout, or leftover runs too short for a cost.) Cut by cost
+  nothing cut, `stream_segment=0`). (The others take the default
+  `stream_segment`, equal tiles there: the plain layout, or leftover runs
+  too short for a cost.) Cut by cost
   (`stream_segment`): 7 rows of 4 tiles in 5 parts at 2 tiles a segment
   (runs 0-4, 4-10, 10-16, 16-20, 20-28 where equal tiles give 0-5, 5-11,
   ...: row 2 in halves, the others whole; cuts a tile from a row's edge
   moved to it); 5 rows of 4 tiles, one whole row a part, at 1 (the
-  leftover runs 0-2, 2-4, 4-8: row 3 in halves, row 4 whole). Row 1's first tile holds no valid index, the last row none at
-  all. The reference's result (the dead
-  row 0 and -inf), the race detector on the first case; in the select
-  cases, NaN in slot 0 and in every slot no row indexes leaves "select"
-  bit-equal to clean memory, and "multiply" gives NaN exactly where the
+  leftover runs 0-2, 2-4, 4-8: row 3 in halves, row 4 whole). Row 1's
+  first tile holds no valid index, the last row none at all. The
+  reference's result (the dead row 0 and -inf), the race detector on the
+  first case; in the select cases, NaN in slot 0 and in every slot no row
+  indexes leaves "select" bit-equal to clean memory, and "multiply" gives NaN exactly where the
   reference does (row 1's NaN null block, met only in its first tile,
   poisons the row). The multiply cases' results are float32."""
   q, cache, idx = inputs(61 + batch, batch, heads, 64 * tiles, invalid=0.2,
