@@ -9,9 +9,10 @@ plan's count, `plan.rows_to_cut`), once per layout of `--layouts` ("plain":
 every row's tiles laid end to end, `stream_whole=False`; "whole": whole rows
 first), and per row segment cost of `--segments` (`stream_segment`: the
 leftover runs cut by cost, a segment at C tiles; 0: equal tiles; by
-default the plan's, `plan.stream_segment_tiles`), with Mosaic GPU's profiler on (`build_kernel(profile_dir=...)`), runs
-it on the benchmark's random data, and prints per layout: the plain and the
-profiled kernel's times, then per warpgroup role the SM clock cycles each CTA
+default the plan's, `plan.stream_segment_tiles`), with Mosaic GPU's
+profiler on (`build_kernel(profile_dir=...)`), runs it on the benchmark's
+random data, and prints per layout: the plain and the profiled kernel's
+times, then per warpgroup role the SM clock cycles each CTA
 spent in each named region (`kernel.REGIONS`), the spread of the CTAs' spans
 and starts, and a least-squares fit of a CTA's span on its tiles and row
 segments (`profile_mla_decode.report`). The profiled kernel runs slower than
@@ -38,24 +39,19 @@ from check_sparse_mla_decode import SCALE, TOPK, inputs
 from jaxkv.kernels.mla_decode.layout import HEAD_TILE, query_rows
 from jaxkv.kernels.sparse_mla_decode import kernel as K
 from jaxkv.kernels.sparse_mla_decode.config import TILE, default_config
-from jaxkv.kernels.sparse_mla_decode.plan import (
-    rows_to_cut,
-    stream_segment_tiles,
-    stream_whole_rows,
-)
+from jaxkv.kernels.sparse_mla_decode.plan import rows_to_cut, stream_schedule
 
 LAYOUTS = {"plain": False, "whole": True}
 
 
-def build(q, indices, *, config, parts, whole_rows, segment, select, profile_dir=None,
-          tile_regions=False):
+def build(q, indices, *, config, stream, select, profile_dir=None, tile_regions=False):
   batch, heads, _ = q.shape
   return jax.jit(K.build_kernel(
       batch=batch, heads_padded=-(-heads // HEAD_TILE) * HEAD_TILE, topk=indices.shape[1],
       num_splits=1, sm_scale=SCALE, select=select, interpret=None, out_dtype=q.dtype,
       q_regs=config.q_regs, kv_swizzle=config.kv_swizzle, stage_out=config.stage_out,
-      q_heads=heads, parts=parts,
-      stream_whole=whole_rows, stream_segment=segment,
+      q_heads=heads, parts=stream.parts,
+      stream_whole=stream.whole, stream_segment=stream.segment_cost,
       f16_partials=config.f16_partials, profile_dir=profile_dir, tile_regions=tile_regions,
   ))
 
@@ -92,13 +88,11 @@ def main():
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {batch} x {heads}, top-k "
         f"{TOPK}, {args.mode}, {parts} parts x {-(-heads // HEAD_TILE)} head groups")
   for name, segment in itertools.product(args.layouts, args.segments):
-    whole_rows = stream_whole_rows(LAYOUTS[name], batch=batch, num_heads=heads,
-                                   tiles=TOPK // TILE, parts=parts)
-    segment = stream_segment_tiles(segment, num_heads=heads, whole_rows=whole_rows)
-    out_dir = os.path.join(root, f"{name}_s{segment}")
+    stream = stream_schedule(LAYOUTS[name], segment, batch=batch, num_heads=heads,
+                             tiles=TOPK // TILE, parts=parts)
+    out_dir = os.path.join(root, f"{name}_s{stream.segment_cost}")
     os.makedirs(out_dir, exist_ok=True)
-    call = functools.partial(build, q, idx, config=config, parts=parts,
-                             whole_rows=whole_rows, segment=segment, select=select)
+    call = functools.partial(build, q, idx, config=config, stream=stream, select=select)
     plain = P.kernel_ms(call(), (q, rows, idx))
     prof = call(profile_dir=out_dir, tile_regions=args.tile_regions)
     before = set(glob.glob(os.path.join(out_dir, "*.json")))
@@ -111,7 +105,7 @@ def main():
       # keeps the first and warns for each of the others.
       warnings.filterwarnings("ignore", message="Failed to dump profile")
       profiled = P.kernel_ms(prof, (q, rows, idx))
-    print(f"\n== {name} ({whole_rows} whole rows a part), segment {segment}: kernel"
+    print(f"\n== {name} ({stream.whole} whole rows a part), segment {stream.segment_cost}: kernel"
           f" {plain * 1e3:.1f} us, profiled {profiled * 1e3:.1f} us; trace {traces[-1]}")
     P.report(P.ranges(traces[-1]), regions=K.REGIONS, max_ranges=K.PROFILE_RANGES)
 

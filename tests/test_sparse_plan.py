@@ -327,12 +327,12 @@ def test_stream_segment_rule_and_validation():
   """`stream_segment=None`: the leftover runs cut by cost, a segment at
   `STREAM_SEGMENT_TILES`, behind whole rows only (in the plain layout the
   runs stay equal); a count passes through. The wrapper's default at
-  83 x 128 heads is then the cut the H100 timed. Anything but None or an
+  83 x 128 heads (`stream_schedule`) is then the cut the H100 timed. Anything but None or an
   int in [0, 32] is refused."""
   from jaxkv.kernels.sparse_mla_decode.plan import (
       STREAM_SEGMENT_TILES,
+      stream_schedule,
       stream_segment_tiles,
-      stream_whole_rows,
   )
   from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
@@ -340,9 +340,10 @@ def test_stream_segment_rule_and_validation():
   assert seg(None, 128, 1) == STREAM_SEGMENT_TILES[2] == 3
   assert seg(None, 64, 2) == STREAM_SEGMENT_TILES[1] == 3
   assert seg(None, 128, 0) == 0 and seg(4, 128, 0) == 4 and seg(0, 64, 1) == 0
-  whole = stream_whole_rows(None, batch=83, num_heads=128, tiles=32, parts=66)
-  stream = Stream(83, 32, 66, whole, seg(None, 128, whole))
+  schedule = lambda w: stream_schedule(w, None, batch=83, num_heads=128, tiles=32, parts=66)
+  stream = schedule(None)
   assert (stream.whole, stream.overhead) == (1, 3)
+  assert (schedule(False).whole, schedule(False).segment_cost) == (0, 0)
   assert [stream.runs(p)[1] for p in (0, 1)] != [Stream(83, 32, 66, 1).runs(p)[1] for p in (0, 1)]
   for bad in (-1, 33, 2.0, True, "3"):
     with pytest.raises((TypeError, ValueError), match="stream_segment"):

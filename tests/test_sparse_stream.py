@@ -23,8 +23,8 @@ def test_segments_cover_every_tile_once_and_pieces_are_numbered_along_the_row():
   exactly once, in order, none empty; the parts' tile counts differ by one
   at most (by cost: each leftover run holds a tile at least and costs, a
   segment at `overhead` tiles, at most its share of the cost line, one
-  segment more and the `snap` tiles at each end); a part's whole rows are its own
-  (`whole` of them, first); a row cut into pieces is a leftover row, its
+  segment more and the `snap` tiles at each end); a part's whole rows are
+  its own (`whole` of them, first); a row cut into pieces is a leftover row, its
   pieces `row_pieces` of them, numbered 0, 1, ... along the row by `piece`;
   a leftover row in one run has `row_pieces` 1 and is one whole segment."""
   for tiles, parts in itertools.product((1, 2, 3, 5, 32), (2, 3, 7, 66, 132)):

@@ -151,6 +151,16 @@ def stream_segment_tiles(segment: int | None, *, num_heads: int, whole_rows: int
   return segment
 
 
+def stream_schedule(whole: bool | None, segment: int | None, *, batch: int, num_heads: int,
+                    tiles: int, parts: int) -> Stream:
+  """The stream schedule of `SparseMLADecodeConfig.stream_whole` and
+  `stream_segment` (None: the plan's rules) at this shape."""
+  whole_rows = stream_whole_rows(whole, batch=batch, num_heads=num_heads, tiles=tiles,
+                                 parts=parts)
+  return Stream(batch, tiles, parts, whole_rows,
+                stream_segment_tiles(segment, num_heads=num_heads, whole_rows=whole_rows))
+
+
 def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
                 whole: bool | None = None, segment: int | None = None) -> float:
   """The stream schedule's modelled time (µs): its longest part (every CTA
@@ -159,10 +169,8 @@ def stream_cost(*, batch: int, num_heads: int, tiles: int, parts: int,
   span counts the tiles of an equal cut, fitted before the cut by cost)."""
   groups = min(-(-num_heads // 64), 2)
   span = STREAM_FIXED_US[groups] + -(-batch * tiles // parts) * STREAM_TILE_US[groups]
-  whole_rows = stream_whole_rows(whole, batch=batch, num_heads=num_heads, tiles=tiles,
-                                 parts=parts)
-  stream = Stream(batch, tiles, parts, whole_rows,
-                  stream_segment_tiles(segment, num_heads=num_heads, whole_rows=whole_rows))
+  stream = stream_schedule(whole, segment, batch=batch, num_heads=num_heads, tiles=tiles,
+                           parts=parts)
   if not stream.cut_rows:
     return span
   tiles_moved = (stream.cut_pieces + stream.cut_rows) * -(-num_heads // 64)
@@ -188,9 +196,8 @@ def wave_plan(
   `pieces` nor `pairs_only`), the stream schedule of `num_sms / groups` CTAs
   per head group (`stream_cost`, with `stream_whole` and `stream_segment`)
   where it beats that choice by `PLAN_MARGIN` too, at any batch past one
-  wave. No cut with
-  several splits, within one wave, past two waves (but the stream), and for
-  a one-tile list.
+  wave. No cut with several splits, within one wave, past two waves (but
+  the stream), and for a one-tile list.
   """
   tiles = topk // TILE
   none = RowCut(0, 2)

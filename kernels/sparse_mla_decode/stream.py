@@ -140,9 +140,9 @@ class Stream:
     if self.left < self.parts:
       return x
     if self.snap:  # the last tile a cut can lie on and still move to x or before
-      s, t, row = self.snap, self.tiles, x // self.tiles * self.tiles
-      at = x - row
-      x = _where(at <= s, row + s, _where(at >= t - s, row + t - s - 1, x))
+      s, t, first = self.snap, self.tiles, x // self.tiles * self.tiles  # x's row's first tile
+      at = x - first
+      x = _where(at <= s, first + s, _where(at >= t - s, first + t - s - 1, x))
     # The last point of the cost line at or before tile x (the cuts before
     # it start at or before x): x's own, behind its row's overhead.
     u = x + (x // self.tiles + 1) * self.overhead if self.overhead else x

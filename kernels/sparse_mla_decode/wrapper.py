@@ -32,12 +32,10 @@ from jaxkv.kernels.sparse_mla_decode.plan import (
     merged_after_kernel,
     merges_in_cluster,
     rows_to_cut,
-    stream_segment_tiles,
-    stream_whole_rows,
+    stream_schedule,
 )
 from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
 from jaxkv.kernels.sparse_mla_decode.reference import MASK_MODES, sparse_mla_decode_reference
-from jaxkv.kernels.sparse_mla_decode.stream import Stream
 
 TOPK_MULTIPLE = 64
 MAX_TOPK = 2048
@@ -210,12 +208,10 @@ def _sparse_mla_decode(
     qp = jnp.pad(qp, ((0, 0), (0, heads_padded - heads), (0, 0)))
   rows = cache.reshape(-1, MLA_HEAD_DIM)
   tiles = indices.shape[1] // TILE
-  # The stream's whole rows per part, before its leftover run, and a row
+  # The stream: whole rows per part before its leftover run, and a row
   # segment's cost in tiles, by which the leftover runs are cut.
-  whole_rows = parts and stream_whole_rows(stream_whole, batch=batch, num_heads=heads,
-                                           tiles=tiles, parts=parts)
-  segment = parts and stream_segment_tiles(stream_segment, num_heads=heads,
-                                           whole_rows=whole_rows)
+  stream = stream_schedule(stream_whole, stream_segment, batch=batch, num_heads=heads,
+                           tiles=tiles, parts=parts) if parts else None
   call = _kernel.build_kernel(
       batch=batch,
       heads_padded=heads_padded,
@@ -233,8 +229,8 @@ def _sparse_mla_decode(
       pieces=pieces,
       cluster_merge=cluster_merge,
       parts=parts,
-      stream_whole=whole_rows,
-      stream_segment=segment,
+      stream_whole=stream.whole if stream else 0,
+      stream_segment=stream.segment_cost if stream else 0,
       f16_partials=f16_partials,
   )
   o, lse, *more = call(qp, rows, indices)
@@ -248,7 +244,6 @@ def _sparse_mla_decode(
     # The leftover rows' pieces ([left_rows, max_pieces, hp, 512],
     # [left_rows, max_pieces, hp] f32, `Stream.row_pieces` of each), merged
     # into the rows the kernel left unwritten; a row in one piece was written.
-    stream = Stream(batch, tiles, parts, whole_rows, segment)
     if not stream.cut_rows:
       return real_heads(o, lse, heads)
     if xla_combine:
