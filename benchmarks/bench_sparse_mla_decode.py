@@ -10,6 +10,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
       [--kv-swizzle 64 128] [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
       [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
       [--combine kernel xla] [--parts auto|off|N[/plain|/whole][/sN] ...] [--f16-partials 0 1]
+      [--kernels]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -47,7 +48,8 @@ and outside-the-cache checks also run with the rows streamed in 6 parts.
 reads with `SparseMLADecodeConfig.f16_partials` set to each value, compares
 the float16 partials' result with the float32 ones' (within a bf16
 rounding, NaN in the same places), and runs the NaN and outside-the-cache
-checks with each.
+checks with each. `--kernels` prints, under each timed variant, every kernel of
+its median call with its time (where the time outside the decode kernel goes).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from check_sparse_mla_decode import (
 )
 
 ITERS = 10
+SHOW_KERNELS = False  # `--kernels`
 
 
 def _time(fn, *args) -> float:
@@ -98,7 +101,11 @@ def _time_parts(fn, *args) -> tuple[float, float]:
   per_iter = [(sum(ms for _, ms in it),
                sum(ms for name, ms in it if "jaxkv_sparse" in name and "merge" not in name))
               for it in times]
-  total, kernel = sorted(per_iter)[len(per_iter) // 2]
+  median = sorted(range(len(per_iter)), key=per_iter.__getitem__)[len(per_iter) // 2]
+  if SHOW_KERNELS:
+    print("  kernels:", ", ".join(f"{name} {ms * 1e3:.1f} us" for name, ms in times[median]),
+          flush=True)
+  total, kernel = per_iter[median]
   return total * 1e-3, kernel * 1e-3
 
 
@@ -174,7 +181,11 @@ def main(argv=None) -> int:
   parser.add_argument("--f16-partials", type=int, nargs="+", default=None, choices=[0, 1],
                       help="time each variant whose partials are merged after the kernel with"
                       " float32 (0) and float16 (1) partials (default: the config's)")
+  parser.add_argument("--kernels", action="store_true",
+                      help="print every kernel of each variant's median call and its time")
   args = parser.parse_args(argv)
+  global SHOW_KERNELS
+  SHOW_KERNELS = args.kernels
   cut_rows = {"auto": None, "off": 0}.get(args.cut_rows)
   if cut_rows is None and args.cut_rows != "auto":
     cut_rows = int(args.cut_rows)
