@@ -48,8 +48,9 @@ and outside-the-cache checks also run with the rows streamed in 6 parts.
 reads with `SparseMLADecodeConfig.f16_partials` set to each value, compares
 the float16 partials' result with the float32 ones' (within a bf16
 rounding, NaN in the same places), and runs the NaN and outside-the-cache
-checks with each. `--kernels` prints, under each timed variant, every kernel of
-its median call with its time (where the time outside the decode kernel goes).
+checks with each. `--kernels` prints every kernel of each timing's median call
+with its time (the ceiling's, the reference's, and each variant's just above its
+"timed:" line): where the time outside the decode kernel goes.
 """
 
 from __future__ import annotations
