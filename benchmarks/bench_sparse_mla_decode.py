@@ -183,7 +183,8 @@ def main(argv=None) -> int:
                       help="time each variant whose partials are merged after the kernel with"
                       " float32 (0) and float16 (1) partials (default: the config's)")
   parser.add_argument("--kernels", action="store_true",
-                      help="print every kernel of each variant's median call and its time")
+                      help="print every kernel of each timing's median call (the ceiling's,"
+                      " the reference's, each variant's) and its time")
   args = parser.parse_args(argv)
   global SHOW_KERNELS
   SHOW_KERNELS = args.kernels

@@ -327,8 +327,8 @@ def test_stream_segment_rule_and_validation():
   """`stream_segment=None`: the leftover runs cut by cost, a segment at
   `STREAM_SEGMENT_TILES`, behind whole rows only (in the plain layout the
   runs stay equal); a count passes through. The wrapper's default at
-  83 x 128 heads (`stream_schedule`) is then the cut the H100 timed. Anything but None or an
-  int in [0, 32] is refused."""
+  83 x 128 heads (`stream_schedule`) is then the cut the H100 timed.
+  Anything but None or an int in [0, 32] is refused."""
   from jaxkv.kernels.sparse_mla_decode.plan import (
       STREAM_SEGMENT_TILES,
       stream_schedule,

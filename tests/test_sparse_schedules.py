@@ -194,9 +194,10 @@ def test_stream_schedule(heads, mode, batch, tiles, parts, combine, whole, segme
   first tile holds no valid index, the last row none at all. The
   reference's result (the dead row 0 and -inf), the race detector on the
   first case; in the select cases, NaN in slot 0 and in every slot no row
-  indexes leaves "select" bit-equal to clean memory, and "multiply" gives NaN exactly where the
-  reference does (row 1's NaN null block, met only in its first tile,
-  poisons the row). The multiply cases' results are float32."""
+  indexes leaves "select" bit-equal to clean memory, and "multiply" gives
+  NaN exactly where the reference does (row 1's NaN null block, met only in
+  its first tile, poisons the row). The multiply cases' results are
+  float32."""
   q, cache, idx = inputs(61 + batch, batch, heads, 64 * tiles, invalid=0.2,
                           dead_rows=(batch - 1,))
   idx = idx.at[1, :64].set(-1)
