@@ -9,7 +9,7 @@ the axis (3.8-9.2 µs on the H200 for 2-17 MB of partials). This kernel took
 2.1-4.9 µs there, 1.2-2.9 µs less per call (NOTES.md).
 
 Here one CTA per (row, head group, `cols` value channels) brings all of the
-row's partial tiles into SMEM at once by TMA, `PIECES_PER_COPY` pieces a copy
+row's partial tiles into SMEM at once by TMA, `pieces_per_copy` pieces a copy
 and the pieces' LSE in one more, takes the LSE maximum first, then sums the
 weighted tiles as they land, and stores its tile of the result by TMA. Cut
 rows are merged into the decode kernel's output in place (a Pallas state
@@ -48,10 +48,19 @@ MAX_COLS = 64
 MIN_COLS = 8
 # Pieces in SMEM at once at 16 channels, and mbarriers per group.
 MAX_PIECES = 32
-# Pieces' tiles per TMA copy. On the H200 (2026-12-04), 1 x 64 heads at 32
-# splits merged in 11.7 µs end to end at 8 a copy against 13.0 at one and 12.4
-# at all 32; 4 and 16 a copy were within 0.3 µs of one at 4-16 pieces.
+# A row's tiles come in at most `COPIES` TMA copies of up to `PIECES_PER_COPY`
+# pieces each, the first copy's sums starting while the others land. On the
+# H200 (2026-12-04), 1 x 64 heads at 32 splits merged in 11.7 µs end to end
+# at 8 a copy against 13.0 at one and 12.4 at all 32; the stream's 83 x 128
+# (17 rows of 4-5 pieces, 2026-12-06) in 4.5 µs at 1 or 2 a copy against 5.5
+# at all of them in one.
 PIECES_PER_COPY = 8
+COPIES = 4
+
+
+def pieces_per_copy(pieces: int) -> int:
+  """Pieces' tiles per TMA copy for a row of `pieces` partials."""
+  return min(PIECES_PER_COPY, -(-pieces // COPIES))
 
 
 def merge_cols(*, rows: int, head_groups: int, pieces: int, sms: int | None = None) -> int:
@@ -127,7 +136,7 @@ def build_piece_merge(
     *, rows: int, pieces: int, heads_padded: int, out_heads: int, out_dtype, select: bool,
     interpret, first_row: int | None = None, cols: int | None = None,
     per_copy: int | None = None, stream: Stream | None = None,
-    q_heads: int | None = None, scaled: bool = False,
+    q_heads: int | None = None, scaled: bool = False, swizzle: bool | None = None,
 ):
   """Returns `(o, lse) -> (out, lse_out)`, or with `first_row` `(o, lse, out,
   lse_out) -> (out, lse_out)` updating `out` and `lse_out` in place; with
@@ -152,7 +161,7 @@ def build_piece_merge(
       `out` `[batch, out_heads, 512]` and `lse_out` `[batch, out_heads]`
       given, whose other rows come back as they were.
     cols: value channels per CTA (default `merge_cols`).
-    per_copy: pieces' tiles per TMA copy (default `PIECES_PER_COPY`; one
+    per_copy: pieces' tiles per TMA copy (default `pieces_per_copy`; one
       where the last head group is short).
     stream: sparse decode's stream schedule (`stream.Stream`), with `rows`
       its `left_rows`, `pieces` at least its `max_pieces` and `first_row`
@@ -167,6 +176,12 @@ def build_piece_merge(
       `layout.split_outputs(f16=True)`), and scale `[rows, pieces, 2,
       heads_padded]` f32 their scales by channel half: a CTA reads its
       half's, on the LSE's barrier, and weights each tile by its scale.
+    swizzle: the 16-bit tiles in SMEM (the partials' with `scaled`, the
+      result's with a 16-bit `out_dtype`) swizzled, their rows of `cols`
+      channels read and written whole by each warp, or (False) plain rows,
+      which a warp's WGMMA-layout loads and stores meet eight rows to a
+      bank group (`cols` 64: 128-byte rows, eight-way conflicts). None:
+      swizzled where `cols` is 16 to 64 (rows of 32 to 128 bytes).
   """
   head_groups = heads_padded // HEAD_TILE
   assert heads_padded % HEAD_TILE == 0 and 2 <= pieces <= MAX_PIECES
@@ -179,7 +194,14 @@ def build_piece_merge(
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   # Pieces per copy: a copy of several pieces' tiles needs them contiguous in
   # SMEM, which a short last head group's rows are not.
-  per = (PIECES_PER_COPY if per_copy is None else per_copy) if tail_heads == HEAD_TILE else 1
+  per = pieces_per_copy(pieces) if per_copy is None else per_copy
+  per = per if tail_heads == HEAD_TILE else 1
+  if swizzle is None:
+    swizzle = 16 <= cols <= 64
+  # A 16-bit tile's transforms: tiles of 8 rows and one swizzle span of channels.
+  tiles16 = (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)) if swizzle else ()
+  o_transforms = tiles16 if scaled else ()
+  out_transforms = tiles16 if jnp.dtype(out_dtype).itemsize == 2 else ()
 
   def merge_kernel(o_ref, lse_ref, *refs):
     scale_ref = scale_buf = None
@@ -225,7 +247,7 @@ def build_piece_merge(
       def tile(j):  # piece j's tile, once it has landed
         if j % per == 0:
           pl.when(live(j))(lambda: plgpu.barrier_wait(o_bar.at[j]))
-        o_j = plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=False)
+        o_j = plgpu.load(o_buf.at[j], layout=plgpu.Layout.WGMMA, optimized=bool(o_transforms))
         if scaled:
           o_j = lax.bitcast_convert_type(o_j, jnp.float16).astype(jnp.float32)
         return o_j
@@ -259,9 +281,10 @@ def build_piece_merge(
       grid=(rows, head_groups, LATENT // cols),
       grid_names=("b", "g", "c"),
       scratch_types=[
-          plgpu.SMEM((pieces, HEAD_TILE, cols), jnp.bfloat16 if scaled else jnp.float32),
+          plgpu.SMEM((pieces, HEAD_TILE, cols), jnp.bfloat16 if scaled else jnp.float32,
+                     transforms=o_transforms),
           plgpu.SMEM((pieces, HEAD_TILE), jnp.float32),
-          plgpu.SMEM((HEAD_TILE, cols), out_dtype),
+          plgpu.SMEM((HEAD_TILE, cols), out_dtype, transforms=out_transforms),
           plgpu.SMEM((HEAD_TILE,), jnp.float32),
           plgpu.Barrier(num_arrivals=1, num_barriers=pieces),
           plgpu.Barrier(num_arrivals=2 if scaled else 1),  # the LSE (and scales)
