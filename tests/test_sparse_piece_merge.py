@@ -136,6 +136,29 @@ def test_lowers_for_hopper(first_row):
   assert ("output_operand_aliases" in text) == (first_row is not None)
 
 
+@pytest.mark.parametrize(
+    "cols, swizzle, out_dtype, q_heads",
+    [(64, None, jnp.bfloat16, None), (32, None, jnp.bfloat16, 72), (16, None, jnp.float32, None),
+     (64, False, jnp.bfloat16, 72), (8, None, jnp.bfloat16, None)],
+)
+def test_float16_tiles_lower_swizzled_or_plain(cols, swizzle, out_dtype, q_heads):
+  """The merge of float16 partials lowers for CUDA with its 16-bit SMEM
+  tiles swizzled (the default at 16-64 channels: 32-128-byte rows; a float32
+  result's staging tile stays plain) and plain (`swizzle=False`, and at 8
+  channels), whole and short last head groups, in place."""
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  rows, pieces, hp, batch = 3, 5, 128, 7
+  out_heads = q_heads or hp
+  merge = build_piece_merge(rows=rows, pieces=pieces, heads_padded=hp, out_heads=out_heads,
+                            out_dtype=out_dtype, select=False, interpret=None, first_row=2,
+                            cols=cols, q_heads=q_heads, scaled=True, swizzle=swizzle)
+  args = [jax.ShapeDtypeStruct((rows, pieces, hp, 512), jnp.bfloat16), f32(rows, pieces, hp),
+          f32(rows, pieces, 2, hp), jax.ShapeDtypeStruct((batch, out_heads, 512), out_dtype),
+          f32(batch, out_heads)]
+  text = jax.jit(merge).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "output_operand_aliases" in text
+
+
 @pytest.mark.parametrize("select, q_heads", [(True, None), (False, 16)])
 def test_stream_pieces_merge_into_the_rows_they_cut(select, q_heads):
   """With `stream`, row i of the pieces is leftover row i of the stream
