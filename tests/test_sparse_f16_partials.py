@@ -110,12 +110,14 @@ def test_kernel_partials_are_its_float32_ones_scaled_and_rounded(layout):
   assert (scale[tuple(zip(*written))][..., :heads] > 2.0**16).any()  # past float16's range
 
 
-@pytest.mark.parametrize("select, first_row", [(True, None), (False, 1)])
-def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(select, first_row):
+@pytest.mark.parametrize("select, first_row, swizzle",
+                         [(True, None, True), (False, 1, True), (False, 1, False)])
+def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(select, first_row, swizzle):
   """The merge kernel on float16 pieces and their scales gives, bit for bit,
   what it gives on the same values as float32 (the scale a power of two:
   folded into the weight, it rounds as the product would), in a new result
-  (5 pieces, two copies of them) and in place (two pieces). Pieces of no
+  (5 pieces, two copies of them) and in place (two pieces), its 16-bit SMEM
+  tiles swizzled or plain rows. Pieces of no
   weight hold NaN bits and NaN scales: "select" never uses them, and in
   "multiply" their NaN poisons the row as the float32 NaN does."""
   from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
@@ -134,7 +136,7 @@ def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(select, first
   scale_in = np.where(dead[..., None, None], np.nan, np.moveaxis(scale, -1, 2))
   o_back = np.where(dead[..., None, None], np.nan, o_back)
   common = dict(rows=rows, pieces=pieces, heads_padded=hp, out_heads=hp, select=select,
-                interpret=FAST, first_row=first_row, cols=64, per_copy=2)
+                interpret=FAST, first_row=first_row, cols=64, per_copy=2, swizzle=swizzle)
   dtype = jnp.float32 if first_row is None else jnp.bfloat16
   dest = ()
   if first_row is not None:

@@ -138,13 +138,13 @@ def test_lowers_for_hopper(first_row):
 
 @pytest.mark.parametrize(
     "cols, swizzle, out_dtype, q_heads",
-    [(64, None, jnp.bfloat16, None), (32, None, jnp.bfloat16, 72), (16, None, jnp.float32, None),
+    [(64, True, jnp.bfloat16, None), (32, True, jnp.bfloat16, 72), (16, True, jnp.float32, None),
      (64, False, jnp.bfloat16, 72), (8, None, jnp.bfloat16, None)],
 )
 def test_float16_tiles_lower_swizzled_or_plain(cols, swizzle, out_dtype, q_heads):
   """The merge of float16 partials lowers for CUDA with its 16-bit SMEM
-  tiles swizzled (the default at 16-64 channels: 32-128-byte rows; a float32
-  result's staging tile stays plain) and plain (`swizzle=False`, and at 8
+  tiles swizzled (16-64 channels: 32-128-byte rows; a float32 result's
+  staging tile stays plain) and plain (`swizzle=False`, and by default at 8
   channels), whole and short last head groups, in place."""
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   rows, pieces, hp, batch = 3, 5, 128, 7

@@ -56,6 +56,11 @@ MAX_PIECES = 32
 # at all of them in one.
 PIECES_PER_COPY = 8
 COPIES = 4
+# The 16-bit SMEM tiles swizzled by default (`build_piece_merge(swizzle=)`).
+# Off: the swizzled build lowers, and matches in the interpreter (which does
+# not model SMEM banks or swizzles), but it has neither run nor been timed
+# on a GPU (NOTES.md, "The piece merge's time, placed").
+SWIZZLE = False
 
 
 def pieces_per_copy(pieces: int) -> int:
@@ -180,8 +185,9 @@ def build_piece_merge(
       result's with a 16-bit `out_dtype`) swizzled, their rows of `cols`
       channels read and written whole by each warp, or (False) plain rows,
       which a warp's WGMMA-layout loads and stores meet eight rows to a
-      bank group (`cols` 64: 128-byte rows, eight-way conflicts). None:
-      swizzled where `cols` is 16 to 64 (rows of 32 to 128 bytes).
+      bank group (`cols` 64: 128-byte rows, eight-way conflicts). Only
+      `cols` 16 to 64 (rows of 32 to 128 bytes) can be swizzled. None:
+      `SWIZZLE` where they can.
   """
   head_groups = heads_padded // HEAD_TILE
   assert heads_padded % HEAD_TILE == 0 and 2 <= pieces <= MAX_PIECES
@@ -197,7 +203,8 @@ def build_piece_merge(
   per = pieces_per_copy(pieces) if per_copy is None else per_copy
   per = per if tail_heads == HEAD_TILE else 1
   if swizzle is None:
-    swizzle = 16 <= cols <= 64
+    swizzle = SWIZZLE and 16 <= cols <= 64
+  assert not swizzle or 16 <= cols <= 64
   # A 16-bit tile's transforms: tiles of 8 rows and one swizzle span of channels.
   tiles16 = (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)) if swizzle else ()
   o_transforms = tiles16 if scaled else ()
