@@ -9,12 +9,12 @@ kernel leaves them (`[left_rows, max_pieces, heads, 512]`, each leftover
 row's `row_pieces` written), merged in place into a `[batch, heads, 512]`
 bf16 result, timed (CUPTI, median of 20 calls) at each `cols` (value channels
 per CTA), `per_copy` (pieces per TMA copy) and `swizzle` (the SMEM tiles
-swizzled or plain rows) given. The partials are read
-from L2 (the same buffers every call, 2-17 MB against 50-60 MB of L2), as
-after the decode kernel, whose leftover runs end each part. Beside it, in
-the same run: an empty kernel at the merge's grid (the launch and CTA floor)
-and an XLA negation of the partials (an L2-resident read and write of the
-same bytes).
+swizzled or plain rows) given; each variant's result is compared with the
+first's (DIFFERS where not equal). The partials are read from L2 (the same
+buffers every call, 2-17 MB against 50-60 MB of L2), as after the decode
+kernel, whose leftover runs end each part. Beside it, in the same run: an
+empty kernel at the merge's grid (the launch and CTA floor) and an XLA
+negation of the partials (a read and a write of the same bytes).
 """
 
 from __future__ import annotations
