@@ -117,9 +117,9 @@ def test_merge_of_float16_partials_is_its_merge_of_them_in_float32(select, first
   what it gives on the same values as float32 (the scale a power of two:
   folded into the weight, it rounds as the product would), in a new result
   (5 pieces, two copies of them) and in place (two pieces), its 16-bit SMEM
-  tiles swizzled or plain rows. Pieces of no
-  weight hold NaN bits and NaN scales: "select" never uses them, and in
-  "multiply" their NaN poisons the row as the float32 NaN does."""
+  tiles swizzled or plain rows. Pieces of no weight hold NaN bits and NaN
+  scales: "select" never uses them, and in "multiply" their NaN poisons the
+  row as the float32 NaN does."""
   from jaxkv.kernels.sparse_mla_decode.piece_merge import build_piece_merge
 
   rng = np.random.default_rng(9)

@@ -144,8 +144,8 @@ def test_lowers_for_hopper(first_row):
 def test_float16_tiles_lower_swizzled_or_plain(cols, swizzle, out_dtype, q_heads):
   """The merge of float16 partials lowers for CUDA with its 16-bit SMEM
   tiles swizzled (16-64 channels: 32-128-byte rows; a float32 result's
-  staging tile stays plain) and plain (`swizzle=False`, and by default at 8
-  channels), whole and short last head groups, in place."""
+  staging tile stays plain) and plain (`swizzle=False`, and the default,
+  here at 8 channels), whole and short last head groups, in place."""
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   rows, pieces, hp, batch = 3, 5, 128, 7
   out_heads = q_heads or hp
