@@ -35,22 +35,28 @@ ITERS = 20
 ROWS, DIM = 64, 576
 
 
-def _time_us(fn, *args) -> tuple[float, int]:
-  """(median µs, kernels per call)."""
+def time_us(fn, *args, name: str | None = None) -> tuple[float, int]:
+  """(median µs, kernels per call) of a call's kernels, or of those whose
+  name holds `name`."""
   from jax.experimental.mosaic.gpu.profiler import measure
 
   _, times = measure(fn, aggregate=False, iterations=ITERS)(*args)
-  per_iter = sorted(sum(ms for _, ms in it) for it in times)
+  per_iter = sorted(sum(ms for k, ms in it if name is None or name in k) for it in times)
   return per_iter[len(per_iter) // 2] * 1e3, len(times[0])
 
 
-def empty_kernel(ctas: int, threads: int | None, interpret):
+def empty_kernel(grid: int | tuple[int, ...], threads: int | None, interpret):
+  """A kernel whose CTAs (`grid`: a count, or a grid of up to three axes)
+  store one float each (those of a row of the first axis, the same one)."""
+  grid = (grid,) if isinstance(grid, int) else tuple(grid)
+  names = ("i", "j", "k")[:len(grid)]
+
   def body(x_ref, o_ref):
     o_ref[lax.axis_index("i")] = x_ref[0]
 
   return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((ctas,), jnp.float32), grid=(ctas,),
-      grid_names=("i",), num_threads=threads, thread_name=None if threads is None else "wg",
+      body, out_type=jax.ShapeDtypeStruct((grid[0],), jnp.float32), grid=grid,
+      grid_names=names, num_threads=threads, thread_name=None if threads is None else "wg",
       kernel_name="probe_empty", interpret=interpret)
 
 
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
     if args.interpret:
       print(f"{name}: ran")
       continue
-    us, kernels = _time_us(fn, *fargs)
+    us, kernels = time_us(fn, *fargs)
     print(f"{name}: {us:.2f} us ({kernels} kernel(s))", flush=True)
   return 0
 

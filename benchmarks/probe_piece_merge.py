@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkv.kernels._common import resolve_interpret
 from jaxkv.kernels.mla_decode.layout import HEAD_TILE, LATENT
@@ -37,39 +36,21 @@ from jaxkv.kernels.sparse_mla_decode.piece_merge import (
 )
 from jaxkv.kernels.sparse_mla_decode.plan import stream_schedule
 
-ITERS = 20
+from probe_floor import empty_kernel, time_us
+
 TILES = 32  # top-k 2048
 PARTS = 66
 
 
-def _time_us(fn, *args, name: str | None = None) -> float:
-  """Median µs of the call's kernels (those whose name holds `name`)."""
-  from jax.experimental.mosaic.gpu.profiler import measure
-
-  _, times = measure(fn, aggregate=False, iterations=ITERS)(*args)
-  per = sorted(sum(ms for k, ms in it if name is None or name in k) for it in times)
-  return per[len(per) // 2] * 1e3
-
-
-def empty_kernel(grid, interpret):
-  def body(x_ref, o_ref):
-    o_ref[lax.axis_index("b")] = x_ref[0]
-
-  return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((grid[0],), jnp.float32), grid=grid,
-      grid_names=("b", "g", "c"), kernel_name="probe_empty", interpret=interpret)
-
-
 def inputs(stream, heads, key):
-  hp = heads
   k = jax.random.split(key, 4)
-  shape = (stream.left_rows, stream.max_pieces, hp, LATENT)
+  shape = (stream.left_rows, stream.max_pieces, heads, LATENT)
   o = lax.bitcast_convert_type(jax.random.normal(k[0], shape, jnp.float16) * 0.5,
                                jnp.bfloat16)
   lse = jax.random.normal(k[1], shape[:3], jnp.float32)
-  scale = jnp.exp2(jax.random.randint(k[2], (*shape[:2], 2, hp), -4, 4).astype(jnp.float32))
-  out = jax.random.normal(k[3], (stream.batch, hp, LATENT), jnp.bfloat16)
-  lse_out = jnp.zeros((stream.batch, hp), jnp.float32)
+  scale = jnp.exp2(jax.random.randint(k[2], (*shape[:2], 2, heads), -4, 4).astype(jnp.float32))
+  out = jax.random.normal(k[3], (stream.batch, heads, LATENT), jnp.bfloat16)
+  lse_out = jnp.zeros((stream.batch, heads), jnp.float32)
   return o, lse, scale, out, lse_out
 
 
@@ -119,7 +100,8 @@ def main(argv=None) -> int:
           variants.append((f"merge cols {cols} per_copy {per} swizzle {sw} ({grid} CTAs)", fn,
                            (o, lse, scale, out, lse_out), "merge"))
       grid = (stream.left_rows, head_groups, LATENT // auto)
-      variants.append((f"empty kernel, grid {grid}", jax.jit(empty_kernel(grid, interpret)),
+      variants.append((f"empty kernel, grid {grid}",
+                       jax.jit(empty_kernel(grid, None, interpret)),
                        (jnp.ones((1,), jnp.float32),), None))
       variants.append(("XLA negation of the partials", jax.jit(lambda v: -v), (o,), None))
       want = None
@@ -140,7 +122,7 @@ def main(argv=None) -> int:
             jax.block_until_ready(fn(*fargs))
           print(f"  {name}: ran 6 times", flush=True)
           continue
-        us = _time_us(fn, *fargs, name=kname)
+        us, _ = time_us(fn, *fargs, name=kname)
         rows.append((f"{batch}x{heads} {layout}", name, us))
         print(f"  {name}: {us:.2f} us", flush=True)
   if rows:
