@@ -10,7 +10,7 @@ fused with a sum (the gather ceiling) and the XLA reference (gather + einsum).
       [--kv-swizzle 64 128] [--shapes B:H[:TOPK[:INVALID]] ...] [--modes select multiply] [--stage-out 0 1]
       [--pad-heads 0 1] [--cut-rows auto|off|N] [--pieces P] [--cluster-merge 0 1]
       [--combine kernel xla] [--parts auto|off|N[/plain|/whole][/sN] ...] [--f16-partials 0 1]
-      [--kernels]
+      [--kernels] [--merge-swizzle 0 1]
 
 With several `--q-regs` values each shape runs every one in the same run (the
 query's latent channels the consumers hold in registers,
@@ -51,6 +51,8 @@ rounding, NaN in the same places), and runs the NaN and outside-the-cache
 checks with each. `--kernels` prints every kernel of each timing's median call
 with its time (the ceiling's, the reference's, and each variant's just above its
 "timed:" line): where the time outside the decode kernel goes.
+`--merge-swizzle` builds the piece merge of every variant with its 16-bit SMEM
+tiles swizzled (1) or plain (0) (`piece_merge.SWIZZLE`; one value a run).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ import numpy as np
 from jax.experimental.mosaic.gpu.profiler import measure
 
 from jaxkv.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
+from jaxkv.kernels.sparse_mla_decode import piece_merge
 from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS
 from jaxkv.kernels.sparse_mla_decode.plan import halves_pair_up, merges_in_cluster, rows_to_cut
 from jaxkv.kernels._common import num_sms
@@ -185,7 +188,13 @@ def main(argv=None) -> int:
   parser.add_argument("--kernels", action="store_true",
                       help="print every kernel of each timing's median call (the ceiling's,"
                       " the reference's, each variant's) and its time")
+  parser.add_argument("--merge-swizzle", type=int, default=None, choices=[0, 1],
+                      help="the piece merge's 16-bit SMEM tiles swizzled (1) or plain rows"
+                      " (0), for every variant of the run (default: `piece_merge.SWIZZLE`)")
   args = parser.parse_args(argv)
+  if args.merge_swizzle is not None:
+    piece_merge.SWIZZLE = bool(args.merge_swizzle)
+  print(f"piece merge: swizzled 16-bit tiles {piece_merge.SWIZZLE}", flush=True)
   global SHOW_KERNELS
   SHOW_KERNELS = args.kernels
   cut_rows = {"auto": None, "off": 0}.get(args.cut_rows)
