@@ -66,8 +66,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu.profiler import measure
 
-from jaxkv.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
-from jaxkv.kernels.sparse_mla_decode import piece_merge
+from jaxkv.kernels.sparse_mla_decode import (
+    piece_merge,
+    sparse_mla_decode,
+    sparse_mla_decode_reference,
+)
 from jaxkv.kernels.sparse_mla_decode.config import CLUSTER_SPLITS
 from jaxkv.kernels.sparse_mla_decode.plan import halves_pair_up, merges_in_cluster, rows_to_cut
 from jaxkv.kernels._common import num_sms
