@@ -195,7 +195,7 @@ class SparseMLADecodeConfig:
     if pieces is not None and (not isinstance(pieces, int) or isinstance(pieces, bool)
                                or not 2 <= pieces <= MAX_PIECES):
       raise ValueError(f"pieces={pieces!r} must be None or an int in [2, {MAX_PIECES}]")
-    if self.cluster_merge not in (None, True, False):
+    if self.cluster_merge is not None and not isinstance(self.cluster_merge, bool):
       raise ValueError(f"cluster_merge={self.cluster_merge!r} must be None or a bool")
     if self.cluster_merge and self.num_splits not in (1, *CLUSTER_SPLITS):
       raise ValueError(
