@@ -40,15 +40,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ANNOTATED = re.compile(r"^\s*(from|import)\s+(jaxtyping|jaxkv\._types|\.+_types)\b", re.M)
 
 
-def annotated_modules() -> list[str]:
-  """The jaxkv modules whose signatures carry jaxtyping annotations (they
-  import jaxtyping or `jaxkv._types`), by name; never a package, whose name
-  would take in every module below it. The others (the launch plans' integer
-  arithmetic, the configs, the kernel bodies) stay as written: the hook wraps
-  every function of a module it loads, ~20x the cost of a call to the plans'
-  small functions (`test_sparse_stream.py`: 0.8 s bare, 22 s wrapped), and a
-  config's own checks, not beartype's, are what its tests must reach."""
-  names = []
+def _module_files():
+  """(name, path) of every jaxkv module but the packages' `__init__`s."""
   for package, folder in (("jaxkv", "jaxkv"), ("jaxkv.kernels", "kernels")):
     top = os.path.join(_ROOT, folder)
     for dirpath, _, files in os.walk(top):
@@ -56,9 +49,27 @@ def annotated_modules() -> list[str]:
       prefix = package if rel == "." else f"{package}.{rel.replace(os.sep, '.')}"
       for name in files:
         if name.endswith(".py") and name != "__init__.py":
-          with open(os.path.join(dirpath, name)) as f:
-            if _ANNOTATED.search(f.read()):
-              names.append(f"{prefix}.{name[:-3]}")
+          yield f"{prefix}.{name[:-3]}", os.path.join(dirpath, name)
+
+
+def all_modules() -> list[str]:
+  return sorted(name for name, _ in _module_files())
+
+
+def annotated_modules() -> list[str]:
+  """The jaxkv modules whose signatures carry jaxtyping annotations (they
+  import jaxtyping or `jaxkv._types`), by name; never a package, whose name
+  would take in every module below it. The others (the launch plans' integer
+  arithmetic, the configs, the kernel bodies) stay as written: the hook wraps
+  every function of a module it loads, ~20x the cost of a call to the plans'
+  small functions (`test_sparse_stream.py`: 0.8 s bare, 22 s wrapped), and a
+  config's own checks, not beartype's, are what its tests must reach.
+  `test_type_checks.py` holds every jaxtyping annotation to these modules."""
+  names = []
+  for name, path in _module_files():
+    with open(path) as f:
+      if _ANNOTATED.search(f.read()):
+        names.append(name)
   return sorted(names)
 
 
