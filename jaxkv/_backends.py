@@ -43,8 +43,19 @@ class AttentionBackend:
   mask_mode: str | None = None
 
   def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"backend name={self.name!r} must be a non-empty str")
+    if not (isinstance(self.spec_types, tuple) and all(
+        isinstance(t, type) and issubclass(t, KVCacheSpec) for t in self.spec_types)):
+      raise ValueError(
+          f"backend {self.name!r}: spec_types={self.spec_types!r} must be a tuple of KVCacheSpec"
+          " subclasses")
     if self.masking not in ("select", "multiply"):
       raise ValueError(f"backend {self.name!r}: masking={self.masking!r} must be 'select' or 'multiply'")
+    if not isinstance(self.requires_kv_cache_zeroing, bool):
+      raise ValueError(
+          f"backend {self.name!r}: requires_kv_cache_zeroing={self.requires_kv_cache_zeroing!r}"
+          " must be a bool")
     if self.masking == "multiply" and not self.requires_kv_cache_zeroing:
       raise ValueError(
           f"backend {self.name!r}: masking='multiply' accumulates p*v over masked"
@@ -52,8 +63,18 @@ class AttentionBackend:
       )
     if not self.spec_types:
       raise ValueError(f"backend {self.name!r}: spec_types must not be empty")
-    if not self.kernel_block_sizes or any(b <= 0 for b in self.kernel_block_sizes):
-      raise ValueError(f"backend {self.name!r}: kernel_block_sizes must be positive ints")
+    sizes = self.kernel_block_sizes
+    if not (isinstance(sizes, tuple) and sizes and all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes)):
+      raise ValueError(
+          f"backend {self.name!r}: kernel_block_sizes={sizes!r} must be a non-empty tuple of"
+          " positive ints")
+    if not isinstance(self.entry, str):
+      raise ValueError(f"backend {self.name!r}: entry={self.entry!r} must be a str")
+    if self.mask_mode not in (None, "select", "multiply"):
+      raise ValueError(
+          f"backend {self.name!r}: mask_mode={self.mask_mode!r} must be None, 'select' or"
+          " 'multiply'")
 
   def serves(self, spec_type: type[KVCacheSpec]) -> bool:
     # Exact types: a full-attention kernel must not silently serve the
@@ -70,6 +91,12 @@ class CompositeBackend:
   decode: AttentionBackend
 
   def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"composite name={self.name!r} must be a non-empty str")
+    for role in ("prefill", "decode"):
+      if not isinstance(getattr(self, role), AttentionBackend):
+        raise ValueError(
+            f"composite {self.name!r}: {role}={getattr(self, role)!r} must be an AttentionBackend")
     if not self.spec_types:
       raise ValueError(
           f"composite {self.name!r}: {self.prefill.name!r} and {self.decode.name!r} share no spec type"

@@ -49,6 +49,35 @@ def test_multiply_backend_must_declare_zeroing():
     AttentionBackend("bad", (MLAAttentionSpec,), (64,), "maybe", False)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("name", ""), ("name", 3), ("spec_types", [MLAAttentionSpec]), ("spec_types", (int,)),
+    ("spec_types", ("mla",)), ("kernel_block_sizes", ()), ("kernel_block_sizes", (64, 0)),
+    ("kernel_block_sizes", (True,)), ("kernel_block_sizes", (64.0,)),
+    ("kernel_block_sizes", [64]), ("requires_kv_cache_zeroing", "yes"),
+    ("requires_kv_cache_zeroing", 1), ("entry", None), ("mask_mode", "maybe"),
+])
+def test_bad_backend_fields_name_the_field(field, value):
+  """An engine's own backend is checked as it is made: a zeroing flag that is
+  not a bool (a truthy "yes" would pass a "multiply" backend), or block sizes
+  that are not positive ints, name the field."""
+  fields = dict(name="mine", spec_types=(MLAAttentionSpec,), kernel_block_sizes=(64,),
+                masking="multiply", requires_kv_cache_zeroing=True, entry="", mask_mode=None)
+  AttentionBackend(**fields)
+  fields[field] = value
+  with pytest.raises(ValueError, match=field if field != "name" else "name="):
+    AttentionBackend(**fields)
+
+
+def test_bad_composite_fields_name_the_field():
+  sel = get_backend("xla_mla_reference")
+  with pytest.raises(ValueError, match="decode="):
+    CompositeBackend("c", sel, "pallas_mla_decode_multiply")
+  with pytest.raises(ValueError, match="prefill="):
+    CompositeBackend("c", None, sel)
+  with pytest.raises(ValueError, match="name="):
+    CompositeBackend("", sel, sel)
+
+
 def test_composite_requires_zeroing_if_either_child_does():
   sel, mul = get_backend("xla_mla_reference"), get_backend("pallas_mla_decode_multiply")
   for prefill, decode in itertools.product((sel, mul), repeat=2):
