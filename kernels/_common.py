@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import numbers
 import os
 import re
 from importlib import resources
@@ -38,6 +40,14 @@ def resolve_interpret(interpret: Any) -> plgpu.InterpretGPUParams | None:
       "interpret must be None, True, False or a plgpu.InterpretGPUParams, got"
       f" {interpret!r}"
   )
+
+
+def check_sm_scale(sm_scale: Any) -> None:
+  """A `ValueError` naming `sm_scale` unless it is a finite positive real
+  (a Python or NumPy scalar: it is a static argument of the kernels)."""
+  if (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
+      or not math.isfinite(sm_scale) or not sm_scale > 0):
+    raise ValueError(f"{sm_scale=} must be a finite positive float")
 
 
 def require_interpreter_threads(num_threads: int, kernel: str) -> None:

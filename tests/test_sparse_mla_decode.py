@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.kernels.mla_decode import MLADecodeConfig
 from jaxkv.kernels.sparse_mla_decode import (
     SparseMLADecodeConfig,
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
+from jaxkv.kernels.sparse_mla_decode import wrapper as sparse_wrapper
 
 from mla_problem import jitted_ops
 from sparse_problem import (
@@ -239,12 +241,22 @@ def test_a_step_without_rows_returns_empty_results():
 @pytest.mark.parametrize(
     "kwargs, name",
     [({"dv": 256}, "dv"), ({"mask_mode": "zero"}, "mask_mode"),
-     ({"config": SparseMLADecodeConfig(num_splits=4)}, "num_splits")],
+     ({"config": SparseMLADecodeConfig(num_splits=4)}, "num_splits"),
+     ({"sm_scale": -1.0}, "sm_scale"), ({"sm_scale": 0.0}, "sm_scale"),
+     ({"sm_scale": float("nan")}, "sm_scale"), ({"sm_scale": float("inf")}, "sm_scale")],
 )
 def test_bad_options(kwargs, name):
   q, cache, idx = inputs(0, 2, 16, 64)
   with pytest.raises(ValueError, match=name):
-    sparse_mla_decode(q, cache, idx, sm_scale=SCALE, **kwargs)
+    sparse_mla_decode(q, cache, idx, **{"sm_scale": SCALE, **kwargs})
+
+
+def test_a_config_of_another_kind_is_refused():
+  """(The suite's jaxtyping checks refuse it at the signature first; the
+  wrapper's own check, reached here, is what a caller without them gets.)"""
+  q, cache, idx = inputs(0, 2, 16, 64)
+  with pytest.raises(ValueError, match="config must be a SparseMLADecodeConfig"):
+    sparse_wrapper._validate(q, cache, idx, SCALE, 512, "select", MLADecodeConfig())
 
 
 @pytest.mark.parametrize("mode", ["select", "multiply"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ from jaxkv._types import (
     Lse,
 )
 from jaxkv.kernels._common import (
+    check_sm_scale,
     require_interpreter_threads,
     require_kernel_device,
     resolve_interpret,
@@ -58,8 +58,7 @@ def _validate(q, cache, block_table, seq_lens, sm_scale, dv, mask_mode, plan, co
     raise ValueError(f"{block_table.dtype=} must be int32")
   if seq_lens.shape != (batch,) or seq_lens.dtype != jnp.int32:
     raise ValueError(f"{seq_lens.shape=} {seq_lens.dtype=} must be [{batch}] int32")
-  if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
-    raise ValueError(f"{sm_scale=} must be a positive float")
+  check_sm_scale(sm_scale)
   if dv != MLA_LATENT_DIM:
     raise ValueError(f"{dv=} must be {MLA_LATENT_DIM}")
   if mask_mode not in MASK_MODES:

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Shaped
 
 from jaxkv._types import BATCH, HEADS, MLA_HEAD_DIM, MLA_LATENT_DIM, Lse
 from jaxkv.kernels._common import (
+    check_sm_scale,
     require_interpreter_threads,
     require_kernel_device,
     resolve_interpret,
@@ -91,7 +92,7 @@ def sparse_mla_decode(
     float32 (natural log).
   """
   with jax.named_scope("jaxkv.sparse_mla_decode"):
-    _validate(q, cache, indices, dv, mask_mode)
+    _validate(q, cache, indices, sm_scale, dv, mask_mode, config)
     batch, heads, _ = q.shape
     if batch == 0:  # a step without decode rows: nothing to read or launch
       return jnp.zeros((0, heads, dv), q.dtype), jnp.zeros((0, heads), jnp.float32)
@@ -149,7 +150,10 @@ def sparse_mla_decode(
     )
 
 
-def _validate(q, cache, indices, dv, mask_mode) -> None:
+def _validate(q, cache, indices, sm_scale, dv, mask_mode, config) -> None:
+  check_sm_scale(sm_scale)
+  if config is not None and not isinstance(config, SparseMLADecodeConfig):
+    raise ValueError(f"config must be a SparseMLADecodeConfig, got {type(config)}")
   if mask_mode not in MASK_MODES:
     raise ValueError(f"{mask_mode=} must be one of {MASK_MODES}")
   if dv != MLA_LATENT_DIM:
