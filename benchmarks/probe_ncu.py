@@ -1,9 +1,10 @@
 """Runs one decode op at one shape a few times, untimed, for `ncu`'s own
 profile (source-level stall samples):
 
-  ncu -k regex:sparse_mla_decode_mosaic --section SourceCounters --page source \
-      --print-source sass --csv python probe_ncu.py sparse 83 128
-  ncu -k regex:mla_decode_mosaic ... python probe_ncu.py dense 128 64 4096
+  ncu -k regex:sparse_mla_decode_mosaic -c 1 $SRC python probe_ncu.py sparse 83 128
+  ncu -k regex:jaxkv_mla_decode -c 1 $SRC python probe_ncu.py dense 128 64 4096
+
+with SRC="--section SourceCounters --page source --print-source sass --csv".
 
 sparse B H: top-k 2048 over 4096 blocks of 64, select. dense B H CTX: lengths
 uniform in [CTX/2, 3 CTX/2), block 64, select.
