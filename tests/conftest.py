@@ -17,17 +17,23 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One compilation cache for the run, shared by the xdist workers (they inherit
-# the controller's environment) and removed at its end: many tests compile the
+# One compilation cache for the run, made by the controller (the xdist workers
+# inherit its environment) and removed at its end: many tests compile the
 # same interpreted programs (the same kernel body, another test's closure),
 # and a hit skips XLA's compile (the suite 858 -> 738-791 s on 2 cores). Each
 # run starts empty, as CI does. A cached executable's Python callbacks are
 # bound again when it is loaded, so the interpreter's callbacks stay this
-# process's own.
+# process's own. Each worker keeps its entries in a folder of its own: JAX
+# writes an entry in place, unlocked, so a worker reading an entry the other
+# is still writing got a truncated file (and, warnings being errors, a failed
+# collection: both workers import every test module at once).
 if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE = tempfile.mkdtemp(prefix="jaxkv-tests-")
 else:  # a worker, or a cache of the caller's own (kept)
   _RUN_CACHE = None
+if "PYTEST_XDIST_WORKER" in os.environ and "JAX_COMPILATION_CACHE_DIR" in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+      os.environ["JAX_COMPILATION_CACHE_DIR"], os.environ["PYTEST_XDIST_WORKER"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every program
 
 import re  # noqa: E402
