@@ -160,3 +160,28 @@ def test_profiler_needs_a_compiled_kernel(tmp_path):
   with pytest.raises(ValueError, match="profile_dir needs a compiled kernel"):
     K.build_kernel(batch=1, heads_padded=64, topk=64, num_splits=1, sm_scale=SCALE,
                    select=True, interpret=object(), profile_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("way, ops", [
+    ("cp_async", ["nvvm.cp.async.shared.global", "nvvm.cp.async.mbarrier.arrive"]),
+    ("tma_spans", ["nvvm.cp.async.bulk.tensor.shared.cluster.global", "nvvm.elect.sync"]),
+    ("tma_rows", ["nvvm.cp.async.bulk.tensor.shared.cluster.global", "nvvm.elect.sync"]),
+])
+def test_gather_probe_lowers_for_hopper(way, ops):
+  """`benchmarks/probe_gather.py` times the kernel's own `issue_gather` against
+  TMA gathers that exist only in it: each way still lowers for CUDA, so a
+  change to `gather.py` cannot leave the probe broken unseen."""
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "probe_gather.py"
+  spec = importlib.util.spec_from_file_location("probe_gather", path)
+  probe = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(probe)
+  rows, ctas, tiles = 1024, 2, 4
+  text = jax.jit(probe.gather_kernel(ctas, tiles, rows, way)).trace(
+      jax.ShapeDtypeStruct((ctas, tiles, 64), jnp.int32),
+      jax.ShapeDtypeStruct((rows, 576), jnp.bfloat16),
+  ).lower(lowering_platforms=("cuda",)).as_text()
+  for op in [*ops, "nvvm.mbarrier.try_wait.parity", "nvvm.mbarrier.arrive.expect_tx"]:
+    assert op in text, op
