@@ -1,6 +1,7 @@
 """Probe: how fast a CTA gathers sparse decode's tiles, by each way of copying rows.
 
 Usage: python benchmarks/probe_gather.py [--ctas 132 264] [--tiles 32] [--ways ...]
+         [--rows 524288 16384] [--share 1 2]
 
 Compiled only (the gathers are Mosaic GPU IR that the interpreter does not run).
 
@@ -24,7 +25,9 @@ thirty-fifth stop). Ways:
 
 Before timing, each way's last two tiles are read back and compared with the
 cache's rows (ids outside the cache, -1 among them, must land zeros), so a
-way whose copies land wrong fails loudly instead of timing well.
+way whose copies land wrong fails loudly instead of timing well. With
+`--share 2`, CTAs 2k and 2k + 1 gather the same ids side by side, as the two
+64-head groups of a 128-head row do in the decode kernel.
 """
 
 from __future__ import annotations
@@ -207,14 +210,18 @@ def main(argv=None) -> int:
   ap.add_argument("--ctas", type=int, nargs="+", default=[132, 264])
   ap.add_argument("--tiles", type=int, default=32, help="tiles a CTA (2048 ids: 32)")
   ap.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
+  ap.add_argument("--share", type=int, nargs="+", default=[1],
+                  help="CTAs that gather the same ids side by side (2: as the two head "
+                       "groups of a 128-head row do, the second read mostly from L2)")
   ap.add_argument("--rows", type=int, nargs="+", default=[8192 * 64, 16384],
                   help="rows of the cache: 8192 * 64 (604 MB) reads HBM, 16384 (19 MB) stays in L2")
   args = ap.parse_args(argv)
   key_c, key_i = jax.random.split(jax.random.key(0))
   table = []
-  for rows, ctas in itertools.product(args.rows, args.ctas):
+  for rows, ctas, share in itertools.product(args.rows, args.ctas, args.share):
     cache = jax.random.normal(key_c, (rows, DIM), jnp.bfloat16)
-    ids = jax.random.randint(key_i, (ctas, args.tiles, TILE), 0, rows, jnp.int32)
+    ids = jax.random.randint(key_i, (-(-ctas // share), args.tiles, TILE), 0, rows, jnp.int32)
+    ids = jnp.repeat(ids, share, axis=0)[:ctas]
     # Ids outside the cache land zeros: -1, and one past the last row.
     ids = ids.at[:, -1, 3].set(-1).at[:, -2, 17].set(rows)
     want = expected(ids, cache, args.tiles)
@@ -222,21 +229,23 @@ def main(argv=None) -> int:
       fn = jax.jit(gather_kernel(ctas, args.tiles, rows, way))
       got = landed(way, jax.block_until_ready(fn(ids, cache)))
       bad = int(np.sum(got != want))
-      print(f"{way}, {rows} rows, {ctas} CTAs: {'landed right' if bad == 0 else f'{bad} WRONG elements'}",
-            flush=True)
+      verdict = "landed right" if bad == 0 else f"{bad} WRONG elements"
+      print(f"{way}, {rows} rows, {ctas} CTAs sharing by {share}: {verdict}", flush=True)
       if bad:
         return 1
       from jax.experimental.mosaic.gpu.profiler import measure
 
       _, times = measure(fn, aggregate=False, iterations=20)(ids, cache)
-      us = sorted(sum(ms for k, ms in it if "probe_gather" in k) for it in times)[len(times) // 2] * 1e3
+      per_call = sorted(sum(ms for k, ms in it if "probe_gather" in k) for it in times)
+      us = per_call[len(per_call) // 2] * 1e3
       waves = -(-ctas // 132)
       tbps = ctas * args.tiles * TILE * DIM * 2 / us / 1e6
-      table.append((way, rows, ctas, us, us / (args.tiles * waves), tbps))
+      table.append((way, rows, ctas, share, us, us / (args.tiles * waves), tbps))
   print(f"\n{jax.devices()[0].device_kind}, {args.tiles} tiles of 64 rows a CTA")
-  print(f"{'way':<10} {'rows':>7} {'CTAs':>5} {'µs':>8} {'µs a tile':>10} {'TB/s':>6}")
-  for way, rows, ctas, us, per_tile, tbps in table:
-    print(f"{way:<10} {rows:>7} {ctas:>5} {us:>8.1f} {per_tile:>10.3f} {tbps:>6.2f}")
+  head = ("way", "rows", "CTAs", "share", "µs", "µs a tile", "TB/s")
+  print(f"{head[0]:<10} " + " ".join(f"{h:>{w}}" for h, w in zip(head[1:], (7, 5, 5, 8, 10, 6))))
+  for way, rows, ctas, share, us, per_tile, tbps in table:
+    print(f"{way:<10} {rows:>7} {ctas:>5} {share:>5} {us:>8.1f} {per_tile:>10.3f} {tbps:>6.2f}")
   return 0
 
 
