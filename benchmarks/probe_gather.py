@@ -46,8 +46,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, nvvm
 
-from jaxkv.kernels.mla_decode.layout import bf16_tile
+from jaxkv.kernels._common import num_sms
+from jaxkv.kernels.mla_decode.layout import HALF, ROPE, bf16_tile
+from jaxkv.kernels.sparse_mla_decode.config import TILE
 from jaxkv.kernels.sparse_mla_decode.gather import (
+    HEAD_DIM as DIM,
+    SPANS,
+    WARPS,
     init_barriers,
     issue_gather,
     row_ids,
@@ -55,10 +60,9 @@ from jaxkv.kernels.sparse_mla_decode.gather import (
     warpgroup_barrier,
 )
 
-TILE, DIM, HALF, ROPE, SWIZZLE = 64, 576, 256, 64, 128
-SPAN = SWIZZLE // 2  # channels of one 128-byte span
-SPANS = DIM // SPAN
-ROWS_PER_WARP = TILE // 4
+SWIZZLE = 128
+SPAN = SWIZZLE // 2  # channels of one 128-byte span (`gather.SPAN` bytes)
+ROWS_PER_WARP = TILE // WARPS
 TILE_BYTES = 8 * SWIZZLE  # one [8, 64] bf16 operand tile
 WAYS = ("cp_async", "tma_spans", "tma_rows")
 
@@ -95,10 +99,11 @@ def _tma_issue(stage_refs, *, way: str):
             dst, desc, [c32(0), c32(0), sid], bar, [], predicate=leader)
         continue
       band, line = arith.divui(row, c32(8)), arith.remui(row, c32(8))
+      per_band, bands = HALF // SPAN, TILE // 8  # a half's tiles across a band; bands
       for span in range(SPANS):
-        if span < 8:  # latent half h, its span `sub`: tile ((h * 8 + band) * 4 + sub)
-          h, sub = divmod(span, 4)
-          tile_idx = arith.addi(arith.muli(band, c32(4)), c32(h * 8 * 4 + sub))
+        if span < 2 * per_band:  # half h's span `sub`: tile (h * bands + band) * per_band + sub
+          h, sub = divmod(span, per_band)
+          tile_idx = arith.addi(arith.muli(band, c32(per_band)), c32(h * bands * per_band + sub))
           base = bases[0]
         else:  # the RoPE part: tile `band`
           tile_idx, base = band, bases[1]
@@ -123,7 +128,7 @@ def gather_kernel(ctas: int, tiles: int, num_rows: int, way: str):
       out_lat, out_rope, ids_smem, k_lat, k_rope, stage_idx, landed, id_bar = refs
     c = lax.axis_index("c")
     plgpu.copy_gmem_to_smem(ids_ref.at[c], ids_smem, id_bar)
-    init_barriers(landed, arrivals=128 if way == "cp_async" else 4)
+    init_barriers(landed, arrivals=128 if way == "cp_async" else WARPS)
     plgpu.barrier_wait(id_bar)
     warpgroup_barrier()
 
@@ -166,17 +171,15 @@ def gather_kernel(ctas: int, tiles: int, num_rows: int, way: str):
     plgpu.wait_smem_to_gmem(0)
 
   tiled = bf16_tile(SWIZZLE)
-  common = [
-      plgpu.SMEM((tiles, TILE), jnp.int32),
-  ]
+  ids = plgpu.SMEM((tiles, TILE), jnp.int32)
   tail = [plgpu.SMEM((2, TILE), jnp.int32), plgpu.SMEM((2, 2), jnp.int32), plgpu.Barrier()]
   if raw:
     out_type = jax.ShapeDtypeStruct((ctas, 2, TILE, SPANS, SPAN), jnp.bfloat16)
-    scratch = [*common, plgpu.SMEM((2, TILE, SPANS, SPAN), jnp.bfloat16), *tail]
+    scratch = [ids, plgpu.SMEM((2, TILE, SPANS, SPAN), jnp.bfloat16), *tail]
   else:
     out_type = (jax.ShapeDtypeStruct((ctas, 2, 2, TILE, HALF), jnp.bfloat16),
                 jax.ShapeDtypeStruct((ctas, 2, TILE, ROPE), jnp.bfloat16))
-    scratch = [*common, plgpu.SMEM((2, 2, TILE, HALF), jnp.bfloat16, transforms=tiled),
+    scratch = [ids, plgpu.SMEM((2, 2, TILE, HALF), jnp.bfloat16, transforms=tiled),
                plgpu.SMEM((2, TILE, ROPE), jnp.bfloat16, transforms=tiled), *tail]
   kernel = plgpu.kernel(
       body, out_type=out_type, grid=(ctas,), grid_names=("c",), scratch_types=scratch,
@@ -218,8 +221,10 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   key_c, key_i = jax.random.split(jax.random.key(0))
   table = []
+  sms = num_sms()
+  caches = {rows: jax.random.normal(key_c, (rows, DIM), jnp.bfloat16) for rows in args.rows}
   for rows, ctas, share in itertools.product(args.rows, args.ctas, args.share):
-    cache = jax.random.normal(key_c, (rows, DIM), jnp.bfloat16)
+    cache = caches[rows]
     ids = jax.random.randint(key_i, (-(-ctas // share), args.tiles, TILE), 0, rows, jnp.int32)
     ids = jnp.repeat(ids, share, axis=0)[:ctas]
     # Ids outside the cache land zeros: -1, and one past the last row.
@@ -238,10 +243,10 @@ def main(argv=None) -> int:
       _, times = measure(fn, aggregate=False, iterations=20)(ids, cache)
       per_call = sorted(sum(ms for k, ms in it if "probe_gather" in k) for it in times)
       us = per_call[len(per_call) // 2] * 1e3
-      waves = -(-ctas // 132)
+      waves = -(-ctas // sms)
       tbps = ctas * args.tiles * TILE * DIM * 2 / us / 1e6
       table.append((way, rows, ctas, share, us, us / (args.tiles * waves), tbps))
-  print(f"\n{jax.devices()[0].device_kind}, {args.tiles} tiles of 64 rows a CTA")
+  print(f"\n{jax.devices()[0].device_kind} ({sms} SMs), {args.tiles} tiles of 64 rows a CTA")
   head = ("way", "rows", "CTAs", "share", "µs", "µs a tile", "TB/s")
   print(f"{head[0]:<10} " + " ".join(f"{h:>{w}}" for h, w in zip(head[1:], (7, 5, 5, 8, 10, 6))))
   for way, rows, ctas, share, us, per_tile, tbps in table:
