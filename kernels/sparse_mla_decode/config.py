@@ -125,7 +125,9 @@ class SparseMLADecodeConfig:
       decode kernel at 83 x 128 from 110.4 to 107.8 µs and from 109.8 to
       106.8, 75 x 128 from 100.4 to 99.6 and 150 x 64 in 132 parts from 137.7
       to 136.2; in the plain layout 140 x 128 went from 167.1 to 168.5
-      (NOTES.md). Not yet timed on an H200.
+      (NOTES.md). On the H200 (2026-12-06, end to end against equal tiles,
+      one run) 83 x 128 went from 108.9 to 107.6 µs and 75 x 128 from 100.2
+      to 98.0, and 110 x 128 from 132.2 to 134.4 (NOTES.md).
     f16_partials: the split or piece partials that a merge after the kernel
       reads (the combine kernel's or XLA's; not a cluster's, which stay
       float32) go out in float16, each head row's channel half divided by the

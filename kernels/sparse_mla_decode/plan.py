@@ -67,8 +67,8 @@ STREAM_MERGE_US = 1.5
 STREAM_MERGE_TILE_US = 0.015
 # Whole rows first in the stream (`stream_whole_pays`): at two head groups only
 # where the leftover runs average this many tiles a part. On an H100
-# (2026-12-06) one head group gained 1-9% at every shape; two were level at 4-10
-# tiles a part (83, 87, 140 x 128) and 1.3-2.5% slower at one (200 x 128).
+# (2026-12-06) one head group gained 1-9% at every shape; two were level at 3.9-10
+# leftover tiles a part (83, 87, 140 x 128) and 1.3-2.5% slower at one (200 x 128).
 STREAM_WHOLE_MIN_TILES = 4
 # A row segment's own cost in tiles, by head groups, by which the stream
 # cuts its leftover runs behind whole rows (`SparseMLADecodeConfig.
