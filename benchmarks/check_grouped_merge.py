@@ -14,18 +14,20 @@ from jaxkv.kernels.mla_decode import MLADecodeConfig, mla_decode_plan, mla_decod
 from jaxkv.kernels.mla_decode import merge_tiling
 from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
-from check_mla_decode import BS, D, _close_partials, errors, poison_tails, table_for
+from check_mla_decode import BS, D, _close_partials, errors, layout_for, poison_tails, table_for
 
 
 def _split_problem(rng, seed, heads, lens_np, splits, kernel_kw, *, max_blocks):
   """A random query and 400-block cache (from `seed`), the rows' lengths and
-  block table, and a config of `splits` splits with its plan."""
+  block table, and a config of `splits` splits (the default layout with
+  `kernel_kw`'s fields, `layout_for`) with its plan."""
   key = jax.random.key(seed)
   cache = jax.random.normal(key, (400, BS, D), jnp.bfloat16)
   q = jax.random.normal(jax.random.fold_in(key, 1), (len(lens_np), heads, D), jnp.bfloat16)
   lens = jnp.asarray(lens_np, jnp.int32)
   table = table_for(rng, lens_np, 400, max_blocks)
-  cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
+  cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1,
+                        **layout_for(heads, len(lens_np), kernel_kw))
   return q, cache, lens, table, cfg, mla_decode_plan(lens, num_heads=heads, config=cfg)
 
 

@@ -21,6 +21,7 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_reference,
 )
 from jaxkv.kernels.mla_decode import merge_tiling
+from jaxkv.kernels.mla_decode.config import default_config
 from jaxkv.kernels.mla_decode.wrapper import _mla_decode
 
 BS = 64
@@ -48,6 +49,16 @@ def errors(out, lse, ref_out, ref_lse):
   return err, lerr, bool(np.isfinite(o32).all())
 
 
+def layout_for(heads, batch, kernel_kw=None):
+  """The kernel layout (`kv_swizzle`, `q_regs`) that this device's default
+  config takes for `batch` rows of `heads` heads, with `kernel_kw`'s fields
+  on top: the check runs the layout the calls run (the config's own
+  defaults are the 64-byte base layout, which the default configs no longer
+  take), and a variant changes only what it names."""
+  base = default_config(batch=batch, num_heads=heads)
+  return {"kv_swizzle": base.kv_swizzle, "q_regs": base.q_regs, **(kernel_kw or {})}
+
+
 def poison_tails(cache, table, lens_np):
   """The cache with the null block (0) and the unwritten tail of every row's
   last block NaN."""
@@ -65,10 +76,13 @@ CHECKS = ("basic", "block_sizes", "grouped", "halves", "rolled", "outside", "nan
 
 def check_correctness(rng, variant="default", kernel_kw=None, parts=CHECKS):
   """The `parts` of the check (`CHECKS` but "same", `check_same_result`)
-  for `variant`'s config: the dataclass default with `kernel_kw`'s fields."""
+  for `variant`'s config: at each head count the device's default layout
+  (`layout_for`) with `kernel_kw`'s fields."""
   kernel_kw = kernel_kw or {}
-  print(f"variant {variant}: {kernel_kw}")
-  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1, **kernel_kw)
+  print(f"variant {variant}: {kernel_kw} over the default layout (64 heads:"
+        f" {layout_for(64, 8)}; 128 heads: {layout_for(128, 8)})")
+  # (Block sizes and blocks outside the cache: 64 heads, up to 9 rows.)
+  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1, **layout_for(64, 8, kernel_kw))
   from check_grouped_merge import HALVES_CASES, ROLLED_CASES, check_grouped, check_halves
 
   checks = dict(
@@ -107,7 +121,7 @@ def check_basic(rng, kernel_kw):
     q = jax.random.normal(jax.random.fold_in(key, 1), (8, heads, D), jnp.bfloat16)
     lens = jnp.asarray(lens_np, jnp.int32)
     table = table_for(rng, lens_np, 200, 70)
-    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **layout_for(heads, 8, kernel_kw))
     out, lse = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode, config=cfg)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode)
     rows.append((heads, splits, mode, *errors(out, lse, ro, rl)))
@@ -119,7 +133,8 @@ def check_basic(rng, kernel_kw):
   q = jax.random.normal(jax.random.key(8), (len(lens_np), 64, D), jnp.bfloat16)
   table = table_for(rng, lens_np, 40, 6)
   poisoned = poison_tails(cache, table, lens_np)
-  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1, **kernel_kw)
+  cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1,
+                        **layout_for(64, len(lens_np), kernel_kw))
   clean, _ = mla_decode(q, cache, table, lens, sm_scale=0.05, config=cfg)
   sel, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, config=cfg)
   mul, _ = mla_decode(q, poisoned, table, lens, sm_scale=0.05, mask_mode="multiply", config=cfg)
@@ -148,7 +163,7 @@ def check_nan_in_valid_data(rng, kernel_kw):
   good = True
   for heads, splits in ((64, 1), (64, 3), (16, 3), (128, 20), (64, 40)):
     q = jax.random.normal(jax.random.key(22), (3, heads, D), jnp.bfloat16).at[1, 5, 100].set(jnp.nan)
-    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **kernel_kw)
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **layout_for(heads, 3, kernel_kw))
     got = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, config=cfg)
     want = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
     o, l, wo, wl, same_nans = _as_f32(got, want)
@@ -255,7 +270,10 @@ def check_same_result(rng, names):
   # merge at its own heads ("padded" pads and slices in XLA instead).
   # The last: 64 splits on 100 SMs' plan, the 4097-token row cut past 32
   # splits, so the per-split ring merges in two passes.
-  for heads, sw, qr, sms, splits in ((64, 128, 0, 6, 4), (128, 64, 128, 6, 4), (16, 128, 0, 24, 4),
+  # The 128-head case runs the default layout at two head groups (128-byte
+  # swizzle, 128 query channels in registers); 96 heads and the last case
+  # the 64-byte one.
+  for heads, sw, qr, sms, splits in ((64, 128, 0, 6, 4), (128, 128, 128, 6, 4), (16, 128, 0, 24, 4),
                                      (96, 64, 128, 24, 4), (64, 64, 0, 100, 64)):
     cache = jax.random.normal(jax.random.key(heads), (200, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.key(heads + 1), (len(lens_np), heads, D), jnp.bfloat16)
