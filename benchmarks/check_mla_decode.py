@@ -217,7 +217,8 @@ SAME_RESULT = {"fence": dict(p_fence=True), "mdirect": dict(stage_merge_out=Fals
 # the stacked merge's masked steps compile to other fused multiply-adds than
 # the per-row ring's (not bit-identical on the H200 at 16 heads, 2026-12-03),
 # so "nopack" is compared within one bf16 ulp, with the same NaNs, and
-# "padded" (which never stacks) bit for bit against "nopack".
+# "padded" and "mdirect" (which never stack: the stacked merge stages its
+# output) bit for bit against "nopack".
 # "f16p" and "f32p" store each split's partial in another dtype than the
 # default may (float16 rounds it to 2^-11 of its row half's largest value):
 # compared with `_close_partials`.
@@ -291,7 +292,7 @@ def check_same_result(rng, names):
         default = [np.asarray(x) for x in run(c, select)]
         # "nopack"'s result, which "padded" is compared with too: run once.
         unpacked = None
-        if {"nopack", "padded"} & set(names):
+        if {"nopack", "padded", "mdirect"} & set(names):
           unpacked = [np.asarray(x) for x in run(c, select, **SAME_RESULT["nopack"])]
         for v in names:
           if v == "nopack":
@@ -303,9 +304,10 @@ def check_same_result(rng, names):
           elif v in ROUNDING_ONLY:
             same, how = _close(got, default), "within rounding"
           else:
-            want = unpacked if v == "padded" else default
+            to_unpacked = v in ("padded", "mdirect")
+            want = unpacked if to_unpacked else default
             same = all(np.array_equal(g, w, equal_nan=True) for g, w in zip(got, want))
-            how = "identical"
+            how = "identical to nopack" if to_unpacked else "identical"
           print(f"{v}: {heads} heads sw{sw} {name} {'select' if select else 'multiply'}: {how} {same}")
           ok = ok and same
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
