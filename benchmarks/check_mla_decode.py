@@ -257,34 +257,42 @@ def _close_partials(got, want):
               and np.allclose(l, wl, rtol=0, atol=1e-5, equal_nan=True))
 
 
-def check_same_result(rng, names):
+# `check_same_result`'s cases: (heads, kv_swizzle, q_regs, SMs of the plan,
+# splits) over the same ten rows (up to 4,097 tokens).
+# - 16 and 96 heads: the query unpadded and, on 24 SMs' plan (more parts
+#   than rows: no rows finished in the kernel), the result stored by the
+#   merge at its own heads ("padded" pads and slices in XLA instead); at 16
+#   heads the stacked merge (`packed_merge`) of 4 and of 12 splits.
+# - The last: 64 splits on 100 SMs' plan, the 4097-token row cut past 32
+#   splits, so the per-split ring merges in two passes.
+# - 64 and 128 heads run the default layouts (128-byte swizzle; 128 query
+#   channels in registers at two head groups); 96 heads and the last case
+#   the 64-byte one.
+SAME_CASES = ((64, 128, 0, 6, 4), (128, 128, 128, 6, 4), (16, 128, 0, 24, 4), (16, 128, 0, 24, 12),
+              (96, 64, 128, 24, 4), (64, 64, 0, 100, 64))
+
+
+def check_same_result(rng, names, cases=SAME_CASES):
   """The `SAME_RESULT` variants in `names` (P fenced on every hand-off, the
   merge's output from registers, the query padded in XLA, rows of few heads
-  merged one per CTA; see `ROUNDING_ONLY` for the last two): bit-identical to the default on parts of several segments, clean and with NaN tails and
-  null block in both modes, under both ring layouts; the default against the
-  reference."""
+  merged one per CTA, the partials' dtype; see `ROUNDING_ONLY` and
+  `PARTIAL_ROUNDING`): bit-identical to the default (or to "nopack", or
+  within the rounding those name) on parts of several segments, clean and
+  with NaN tails and null block in both modes, for each of `cases`; the
+  default against the reference."""
   ok = True
   lens_np = [64, 65, 0, 127, 300, 257, 1000, 4097, 5, 2000]
   lens = jnp.asarray(lens_np, jnp.int32)
-  # 16 and 96 heads: the query unpadded and, on 24 SMs' plan (more parts
-  # than rows: no rows finished in the kernel), the result stored by the
-  # merge at its own heads ("padded" pads and slices in XLA instead).
-  # The last: 64 splits on 100 SMs' plan, the 4097-token row cut past 32
-  # splits, so the per-split ring merges in two passes.
-  # The 128-head case runs the default layout at two head groups (128-byte
-  # swizzle, 128 query channels in registers); 96 heads and the last case
-  # the 64-byte one.
-  for heads, sw, qr, sms, splits in ((64, 128, 0, 6, 4), (128, 128, 128, 6, 4), (16, 128, 0, 24, 4),
-                                     (96, 64, 128, 24, 4), (64, 64, 0, 100, 64)):
+  for heads, sw, qr, sms, splits in cases:
     cache = jax.random.normal(jax.random.key(heads), (200, BS, D), jnp.bfloat16)
     q = jax.random.normal(jax.random.key(heads + 1), (len(lens_np), heads, D), jnp.bfloat16)
     table = table_for(rng, lens_np, 200, 70)
     poisoned = poison_tails(cache, table, lens_np)
     cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, kv_swizzle=sw, q_regs=qr)
     plan = mla_decode_plan(lens, num_heads=heads, config=cfg, num_sms=sms)
-    if splits > 4:
-      print(f"{heads} heads: {plan.num_splits} splits (two passes past "
-            f"{merge_tiling.MAX_SPLITS}), {np.asarray(plan.bounds)[7].tolist()[:3]}...")
+    two = plan.num_splits > merge_tiling.MAX_SPLITS
+    print(f"{heads} heads, sw{sw}, q_regs {qr}, {sms} SMs' plan: {plan.num_splits} splits"
+          f"{' (two passes of the per-split ring)' if two else ''}")
     run = lambda c, select, **kw: _mla_decode(q, c, table, lens, plan, sm_scale=D**-0.5, select=select,
                                               interpret=None, kv_swizzle=sw, q_regs=qr, **kw)
     for c, name in ((cache, "clean"), (poisoned, "poisoned")):
