@@ -1,7 +1,8 @@
 """Dense paged MLA decode on the GPU: the correctness check (`check_mla_decode.py`), then timings.
 
-Usage: python benchmarks/bench_mla_decode.py [--skip-check | --check PART ...] [--shapes B:H:CTX[:mul][:xla][:VARIANT] ...]
-(":mul" also times mask_mode="multiply", ":xla" the XLA reference,
+Usage: python benchmarks/bench_mla_decode.py [--skip-check | --check PART ...] [--shapes B:H:CTX[:mul][:xla][:bs32|:bs128][:VARIANT] ...]
+(":mul" also times mask_mode="multiply", ":xla" the XLA reference, ":bs32" /
+":bs128" a cache of that block size instead of 64,
 ":sw64" / ":sw128" the kernel with the query and KV ring under the 64- or
 128-byte swizzle, `MLADecodeConfig(kv_swizzle=...)`, ":qr0" ... ":qr192"
 with that many latent query channels in registers, `MLADecodeConfig(q_regs=...)`:
@@ -15,7 +16,8 @@ on-device check then also compares it bitwise with the default), ":mdirect" stor
 merge's bf16 output from registers instead of by TMA from SMEM (checked
 bitwise), ":padded" pads a query of fewer heads than its head groups to
 64 per group in XLA and slices the result (the build before the unpadded
-query; checked bitwise);
+query; checked bitwise); ":nopack" merges rows of 8-32 heads one row per
+CTA instead of stacked (checked within one bf16 ulp);
 ":f32p" stores the split partials in float32 (the default stores them in
 scaled float16 but for rows of 8-32 heads; checked within the float16
 rounding), ":f16p" in float16 even at 8-32 heads (no stacked merge), ":g8f16p"

@@ -27,7 +27,8 @@ one shared [64, 64] bf16 tile, warpgroup 0's rescaled to warpgroup 1's
 maximum) when it arrives, so one warpgroup's softmax runs beside the
 other's wgmma instead of both meeting twice per block. Each warpgroup's row
 sum covers its own slots, at the common scale; the two are added at the
-end. By default (`kv_swizzle=64`) all bf16 tiles are 32 columns wide (64-byte
+end. In the base layout (`kv_swizzle=64`, the config field's own default;
+the devices' default configs take 128) all bf16 tiles are 32 columns wide (64-byte
 swizzle), since wgmma takes A and B under the same transforms and P's halves
 are 32 wide. With `kv_swizzle=128` the query and KV ring are 64 columns wide
 (128-byte swizzle: TMA streams 128-byte rows, faster), and since wgmma then

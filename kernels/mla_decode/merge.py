@@ -25,7 +25,8 @@ one head group), one pass merges them instead with the splits grouped
 (`build_merge(group=True)`, its row in `grouped_merge`): each copy brings
 `GROUP` splits of a CTA's tile at once, and the decode kernel stores its
 partials in that pass's layout (`wide_partials`). With `halves` two CTAs in
-a cluster share each tile's splits (forced only: no faster where timed).
+a cluster share each tile's splits: the wrapper's default for rows of more
+than `GROUP_MAX_SPLITS` splits (1 x 64 x 128K's 133).
 
 Rows of 8-32 heads (one head group, mostly padding) take
 `packed_merge.build_packed_merge` instead of the per-split ring: `64 // heads` rows of the batch per CTA, their

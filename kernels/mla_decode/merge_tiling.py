@@ -41,8 +41,10 @@ GROUP_MAX_SPLITS = 128
 # 0.971 / 0.975 of the ring's time (NOTES.md).
 GROUP_NARROW_MIN = 17
 # The grouped merge in halves (`build_merge(halves=True)`: a cluster of two
-# CTAs per tile, each over half of the row's groups; never the default, no
-# faster wherever it was timed, NOTES.md). Each CTA's ring takes at most this much
+# CTAs per tile, each over half of the row's groups; the default for rows of
+# more than `GROUP_MAX_SPLITS` splits, which the whole pass cannot take: at 1 x
+# 64 x 128K (133 splits) 0.943-0.959 of the two passes' time on an H100, the
+# two passes 1.054 of its time on the H200, NOTES.md). Each CTA's ring takes at most this much
 # SMEM where the grid is past one wave, so that two CTAs fit an SM beside
 # their LSE.
 HALVES_SMEM = 72 * 1024
@@ -79,8 +81,9 @@ def grouped_tiling(*, batch: int, head_groups: int, num_splits: int,
   grid has about `GROUP_CTAS` CTAs, so batch 1 still spreads over the SMs;
   the ring holds as many `GROUP`-split groups as `GROUP_SMEM` allows (all of
   a row's at 1 x 128 x 128K: 9 groups of 16 KB). A grid of fewer CTAs
-  (1 x 64 heads) is slower than the two passes even with bulk copies, which
-  is why `use_grouped` keeps it on the per-split ring. Rows the per-split
+  (1 x 64 heads, one CTA per tile) is slower than the two passes even with
+  bulk copies; past `GROUP_MAX_SPLITS` splits (1 x 64 x 128K, 133) the
+  wrapper takes the pass in halves instead (`halves`). Rows the per-split
   ring could take in one pass (at most `MAX_SPLITS` splits) take 8 channels
   whatever the grid: at 8 x 64 x 32K (27 splits) 8 channels (512 CTAs) ran
   0.975 of 32 (128 CTAs, two of four groups in flight) on the H200.
