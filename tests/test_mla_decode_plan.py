@@ -111,6 +111,29 @@ def test_an_h100_runs_the_heuristic_under_the_128_byte_swizzle(monkeypatch):
       assert mla_decode_plan(lens, num_heads=heads).num_splits == got.num_splits
 
 
+def test_the_on_device_check_runs_the_default_layouts(monkeypatch):
+  """`benchmarks/check_mla_decode.py` builds its configs on the layout that
+  the device's default config takes at each head count (`layout_for`; a
+  variant's fields on top), and `check_same_result` has a case under the
+  two-group default: defaults that moved without the device check would fail
+  here (until 2026-12-07 it checked the 64-byte base layout alone)."""
+  import importlib
+  import pathlib
+
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+  check = importlib.import_module("check_mla_decode")
+  for device in (gpu(*H100, core_count=132), gpu("NVIDIA H200", "9.0", core_count=132)):
+    as_first_device(monkeypatch, device)
+    for batch, heads in ((8, 16), (8, 64), (3, 96), (8, 128), (128, 128)):
+      want = default_config(batch=batch, num_heads=heads)
+      assert check.layout_for(heads, batch) == {"kv_swizzle": want.kv_swizzle,
+                                                "q_regs": want.q_regs}, (device, heads)
+      assert check.layout_for(heads, batch, {"kv_swizzle": 64}) == {"kv_swizzle": 64,
+                                                                   "q_regs": want.q_regs}
+    two = default_config(batch=10, num_heads=128)
+    assert (128, two.kv_swizzle, two.q_regs) in {case[:3] for case in check.SAME_CASES}
+
+
 def _cut_points(ntiles, parts, chunk, overhead):
   """Each part's first tile, walking the cost line token by token: a row costs
   `overhead` (at its start) plus its tiles; part p starts at cost p * chunk."""
