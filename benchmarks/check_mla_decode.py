@@ -121,7 +121,8 @@ def check_basic(rng, kernel_kw):
     q = jax.random.normal(jax.random.fold_in(key, 1), (8, heads, D), jnp.bfloat16)
     lens = jnp.asarray(lens_np, jnp.int32)
     table = table_for(rng, lens_np, 200, 70)
-    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **layout_for(heads, 8, kernel_kw))
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1,
+                          **layout_for(heads, 8, kernel_kw))
     out, lse = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode, config=cfg)
     ro, rl = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5, mask_mode=mode)
     rows.append((heads, splits, mode, *errors(out, lse, ro, rl)))
@@ -163,7 +164,8 @@ def check_nan_in_valid_data(rng, kernel_kw):
   good = True
   for heads, splits in ((64, 1), (64, 3), (16, 3), (128, 20), (64, 40)):
     q = jax.random.normal(jax.random.key(22), (3, heads, D), jnp.bfloat16).at[1, 5, 100].set(jnp.nan)
-    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, **layout_for(heads, 3, kernel_kw))
+    cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1,
+                          **layout_for(heads, 3, kernel_kw))
     got = mla_decode(q, cache, table, lens, sm_scale=D**-0.5, config=cfg)
     want = mla_decode_reference(q, cache, table, lens, sm_scale=D**-0.5)
     o, l, wo, wl, same_nans = _as_f32(got, want)
@@ -268,8 +270,8 @@ def _close_partials(got, want):
 # - 64 and 128 heads run the default layouts (128-byte swizzle; 128 query
 #   channels in registers at two head groups); 96 heads and the last case
 #   the 64-byte one.
-SAME_CASES = ((64, 128, 0, 6, 4), (128, 128, 128, 6, 4), (16, 128, 0, 24, 4), (16, 128, 0, 24, 12),
-              (96, 64, 128, 24, 4), (64, 64, 0, 100, 64))
+SAME_CASES = ((64, 128, 0, 6, 4), (128, 128, 128, 6, 4), (16, 128, 0, 24, 4),
+              (16, 128, 0, 24, 12), (96, 64, 128, 24, 4), (64, 64, 0, 100, 64))
 
 
 def check_same_result(rng, names, cases=SAME_CASES):
@@ -298,7 +300,8 @@ def check_same_result(rng, names, cases=SAME_CASES):
     for c, name in ((cache, "clean"), (poisoned, "poisoned")):
       for select in (True, False):
         default = [np.asarray(x) for x in run(c, select)]
-        # "nopack"'s result, which "padded" is compared with too: run once.
+        # "nopack"'s result, which "padded" and "mdirect" are compared with
+        # too: run once.
         unpacked = None
         if {"nopack", "padded", "mdirect"} & set(names):
           unpacked = [np.asarray(x) for x in run(c, select, **SAME_RESULT["nopack"])]

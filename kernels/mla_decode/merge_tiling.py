@@ -44,9 +44,9 @@ GROUP_NARROW_MIN = 17
 # CTAs per tile, each over half of the row's groups; the default for rows of
 # more than `GROUP_MAX_SPLITS` splits, which the whole pass cannot take: at 1 x
 # 64 x 128K (133 splits) 0.943-0.959 of the two passes' time on an H100, the
-# two passes 1.054 of its time on the H200, NOTES.md). Each CTA's ring takes at most this much
-# SMEM where the grid is past one wave, so that two CTAs fit an SM beside
-# their LSE.
+# two passes 1.054 of its time on the H200, NOTES.md). Each CTA's ring takes
+# at most this much SMEM where the grid is past one wave, so that two CTAs
+# fit an SM beside their LSE.
 HALVES_SMEM = 72 * 1024
 
 

@@ -9,9 +9,10 @@ work whatever the mix of lengths. A part's cost counts its tiles and, for each
 row segment it runs, a fixed overhead (`MLADecodeConfig.split_overhead_tiles`:
 the query load, the pipeline's restart, the partial result's store and its
 merge; 4 by default: an H200 profile put a segment at 10.1-13.3k cycles
-against 3.5-3.7k a tile, and sweeps of the charge found 2-4 level, NOTES.md). A part may hold the end of one row,
-whole rows and the start of another; a row cut by part boundaries yields one
-partial result per part (its splits), merged afterwards by log-sum-exp.
+against 3.5-3.7k a tile, and sweeps of the charge found 2-4 level,
+NOTES.md). A part may hold the end of one row, whole rows and the start of
+another; a row cut by part boundaries yields one partial result per part
+(its splits), merged afterwards by log-sum-exp.
 """
 
 from __future__ import annotations
