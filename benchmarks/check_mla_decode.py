@@ -81,7 +81,9 @@ def check_correctness(rng, variant="default", kernel_kw=None, parts=CHECKS):
   kernel_kw = kernel_kw or {}
   print(f"variant {variant}: {kernel_kw} over the default layout (64 heads:"
         f" {layout_for(64, 8)}; 128 heads: {layout_for(128, 8)})")
-  # (Block sizes and blocks outside the cache: 64 heads, up to 9 rows.)
+  # (Block sizes, 9 rows, and blocks outside the cache, 4 rows: 64 heads,
+  # under the layout picked for 8 rows; no shipped tuning file gives batches
+  # of one head count different layouts.)
   cfg = MLADecodeConfig(num_splits=2, min_chunk_blocks=1, **layout_for(64, 8, kernel_kw))
   from check_grouped_merge import HALVES_CASES, ROLLED_CASES, check_grouped, check_halves
 
