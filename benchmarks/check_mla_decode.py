@@ -310,11 +310,9 @@ def check_same_result(rng, names, cases=SAME_CASES):
         # "nopack"'s result, which "padded" and "mdirect" are compared with
         # too: run once, and only where rows stack (elsewhere `pack` changes
         # nothing, and it is the default's own).
-        unpacked = None
+        unpacked = default
         if stacks and {"nopack", "padded", "mdirect"} & set(names):
           unpacked = [np.asarray(x) for x in run(c, select, **SAME_RESULT["nopack"])]
-        elif not stacks:
-          unpacked = default
         for v in names:
           if v == "nopack":
             got = unpacked
