@@ -20,7 +20,6 @@ from jaxkv.kernels.mla_decode import (
     mla_decode_plan,
     mla_decode_reference,
 )
-from jaxkv.kernels.mla_decode import layout as mla_layout
 from jaxkv.kernels.mla_decode import merge_tiling
 from jaxkv.kernels.mla_decode import packed_merge
 from jaxkv.kernels.mla_decode.config import default_config
@@ -297,9 +296,7 @@ def check_same_result(rng, names, cases=SAME_CASES):
     cfg = MLADecodeConfig(num_splits=splits, min_chunk_blocks=1, kv_swizzle=sw, q_regs=qr)
     plan = mla_decode_plan(lens, num_heads=heads, config=cfg, num_sms=sms)
     two = plan.num_splits > merge_tiling.MAX_SPLITS
-    stacks = packed_merge.pack_rows(
-        heads=mla_layout.query_rows(heads), head_groups=-(-heads // mla_layout.HEAD_TILE),
-        num_splits=plan.num_splits) > 1
+    stacks = packed_merge.rows_stack(heads=heads, num_splits=plan.num_splits)
     print(f"{heads} heads, sw{sw}, q_regs {qr}, {sms} SMs' plan: {plan.num_splits} splits"
           f"{' (two passes of the per-split ring)' if two else ''}")
     run = lambda c, select, **kw: _mla_decode(q, c, table, lens, plan, sm_scale=D**-0.5, select=select,

@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .layout import HEAD_TILE, TILE
+from .layout import HEAD_TILE, TILE, query_rows
 from .merge import merge_call
 from .ring import ring_step
 from .merge_tiling import MAX_SPLITS, kernel_wrote_row, live_splits, merge_tiling
@@ -26,6 +26,16 @@ def pack_rows(*, heads: int, head_groups: int, num_splits: int) -> int:
   if head_groups != 1 or heads > HEAD_TILE // 2 or num_splits > MAX_SPLITS:
     return 1
   return HEAD_TILE // heads
+
+
+def rows_stack(*, heads: int, num_splits: int) -> bool:
+  """Whether rows of `heads` real heads and `num_splits` splits qualify for
+  the stacked merge (`pack_rows` of the query rows the decode kernels take,
+  `query_rows`, in their head groups of 64, above 1). Only then can the
+  wrapper's `pack` change anything; the wrapper also keeps such rows'
+  partials in float32."""
+  return pack_rows(heads=query_rows(heads), head_groups=-(-heads // HEAD_TILE),
+                   num_splits=num_splits) > 1
 
 
 def build_packed_merge(

@@ -238,8 +238,7 @@ def _mla_decode(q, cache, block_table, seq_lens, plan, *, sm_scale, select, inte
   # them (the stacked merge reads float32, and its A/B knobs then compare
   # like with like). `f16_partials` True / False forces them on where they
   # can run / off.
-  few_heads = _packed.pack_rows(heads=_layout.query_rows(heads), head_groups=head_groups,
-                                num_splits=plan.num_splits) > 1
+  few_heads = _packed.rows_stack(heads=heads, num_splits=plan.num_splits)
   if f16_partials is None:
     f16_partials = not few_heads
   elif f16_partials and packed:
